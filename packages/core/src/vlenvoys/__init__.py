@@ -1,0 +1,46 @@
+"""vlenvoys: nnterp's standardized values on models served by vLLM.
+
+    import vlenvoys
+    model = vlenvoys.load()            # the built-in SmolLM2-135M-Instruct
+    with model.trace("The Eiffel Tower is in", temperature=0.0):
+        stream = model.layers[10].layer_output.save()     # [1, tokens, hidden]
+"""
+
+from .engine import StandardizedVLLM, load, shutdown
+from .envoys import Attention, FusedLayer, Layer, Mlp, StandardEnvoy
+from .errors import DECODE_STEP, GATED, ROUTED, InvalidWrite, Unavailable, UnknownArchitecture
+from .family import Architecture, Family, InstalledFamily, families
+from .values import Flat, Heads, Neurons, Residual, argument, batched, summed, summed_output, unbatched, with_argument
+from .version import __version__
+
+__all__ = [
+    "DECODE_STEP",
+    "GATED",
+    "ROUTED",
+    "Architecture",
+    "Attention",
+    "Family",
+    "Flat",
+    "FusedLayer",
+    "Heads",
+    "InstalledFamily",
+    "InvalidWrite",
+    "Layer",
+    "Mlp",
+    "Neurons",
+    "Residual",
+    "StandardEnvoy",
+    "StandardizedVLLM",
+    "Unavailable",
+    "UnknownArchitecture",
+    "__version__",
+    "argument",
+    "batched",
+    "families",
+    "load",
+    "shutdown",
+    "summed",
+    "summed_output",
+    "unbatched",
+    "with_argument",
+]

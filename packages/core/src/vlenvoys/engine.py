@@ -1,0 +1,192 @@
+"""Loading a model on vLLM with its family's envoys, in the client and in every worker."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from nnsight.modeling.vllm import VLLM
+from nnsight.modeling.vllm.envoys import parallel_envoys
+
+from .errors import reraise
+from .family import Architecture, InstalledFamily, resolve
+from .values import Residual
+
+__all__ = ["StandardizedVLLM", "load"]
+
+#: KV-cache size the CPU engine reserves unless told otherwise: vLLM's default
+#: fraction of a NUMA node is more than a small machine has free.
+CPU_KV_CACHE_BYTES = 1 << 30
+
+
+class StandardizedVLLM(VLLM):
+    """An nnsight ``VLLM`` model whose modules carry the standard names and values.
+
+    Built by `load`. Standard module names sit beside vLLM's own:
+    ``model.embed_tokens``, ``model.layers[i]`` (with ``.self_attn`` and
+    ``.mlp``), ``model.ln_final``, ``model.lm_head``, and nnsight's
+    ``model.logits``; the values are on the envoys (``model.layers[i].layer_output``,
+    ...). Everything nnsight's ``VLLM`` does works as before.
+    """
+
+    def __init__(self, *args: Any, architecture: Architecture | None = None, **kwargs: Any) -> None:
+        if architecture is not None:
+            kwargs["envoys"] = {**(kwargs.get("envoys") or parallel_envoys()), **architecture.envoys()}
+            kwargs["rename"] = {**architecture.rename, **(kwargs.get("rename") or {})}
+        self.architecture = architecture
+        super().__init__(*args, **kwargs)
+
+    def _load_meta(self, repo_id: str, **kwargs: Any) -> Any:
+        with _without_accelerator():
+            return super()._load_meta(repo_id, **kwargs)
+
+    def _load(self, repo_id: str, **kwargs: Any) -> Any:
+        # nnsight's own worker refuses vLLM's CPU runner; pick ours by platform.
+        self._WORKER_CLS = worker_class()
+        return super()._load(repo_id, **kwargs)
+
+    @staticmethod
+    def _collect(mediators: list, outputs: list) -> None:
+        try:
+            VLLM._collect(mediators, outputs)
+        except RuntimeError as error:
+            reraise(error)
+            raise
+
+    @property
+    def token_embeddings(self) -> Residual:
+        """The residual stream block 0 receives, [1, tokens, hidden_size].
+
+        It is the embeddings after anything the model applies before block 0
+        (a scale, learned positions), read at block 0's input, so it is the
+        value the blocks see. Assignable like every value.
+        """
+        return self.layers[0].layer_input
+
+    @token_embeddings.setter
+    def token_embeddings(self, value: torch.Tensor) -> None:
+        self.layers[0].layer_input = value
+
+    @property
+    def num_layers(self) -> int:
+        """How many decoder blocks the model has."""
+        return len(self.layers)
+
+    def project_on_vocab(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of a residual stream, ``[..., hidden_size]`` -> ``[..., vocab_size]``.
+
+        Applies the model's final norm and its unembedding matrix, as the model
+        does after its last block; works inside a trace, where vLLM's LM head
+        cannot be called as a module.
+        """
+        shape = hidden.shape
+        normed = self.ln_final(hidden.reshape(-1, shape[-1]))
+        if isinstance(normed, tuple):
+            normed = normed[0]
+        logits = normed @ self.lm_head.weight.T
+        return logits.reshape(*shape[:-1], logits.shape[-1])
+
+
+@contextlib.contextmanager
+def _without_accelerator() -> Iterator[None]:
+    """Let vLLM's loader build the client's meta tree on a machine with no accelerator.
+
+    The loader empties the accelerator's cache after building a model, which
+    raises where there is none (vLLM's CPU runner silences it the same way, in
+    its own process).
+    """
+    if torch.accelerator.current_accelerator() is not None:
+        yield
+        return
+    empty_cache = torch.accelerator.empty_cache
+    torch.accelerator.empty_cache = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        torch.accelerator.empty_cache = empty_cache
+
+
+def worker_class() -> str:
+    """The vLLM worker class for the platform vLLM reports: nnsight's runner on CPU or GPU."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return "vlenvoys.workers.cpu.CPUWorker"
+    if current_platform.is_cuda_alike():
+        return "vlenvoys.workers.gpu.GPUWorker"
+    raise NotImplementedError(
+        f"vlenvoys runs on vLLM's CPU and CUDA/ROCm engines; this vLLM reports platform "
+        f"{current_platform.device_name!r}, for which nnsight has no model runner"
+    )
+
+
+def architectures_of(model: str | os.PathLike) -> list[str]:
+    """The ``architectures`` a local checkpoint's config.json declares."""
+    config = Path(model) / "config.json"
+    if config.is_file():
+        return list(json.loads(config.read_text()).get("architectures") or [])
+    from transformers import AutoConfig
+
+    return list(AutoConfig.from_pretrained(str(model)).architectures or [])
+
+
+def load(model: str | os.PathLike | None = None, **engine_kwargs: Any) -> StandardizedVLLM:
+    """Start vLLM on ``model`` and return it ready to trace with the standard values.
+
+    Args:
+        model: A local checkpoint folder or a hub name; None loads the built-in
+            real model, SmolLM2-135M-Instruct (see `vlenvoys.weights`).
+        **engine_kwargs: vLLM engine arguments (``dtype``, ``max_model_len``,
+            ``tensor_parallel_size``, ...) and nnsight ``VLLM`` arguments. On
+            the CPU engine the KV cache defaults to 1 GiB and the dtype to the
+            checkpoint's own (float32 where it names none; vLLM would
+            otherwise run float32 checkpoints in bfloat16); prefix caching
+            stays off unless asked for.
+
+    Raises:
+        UnknownArchitecture: no installed family declares the model's architecture.
+    """
+    if model is None:
+        from .weights import smollm2_path
+
+        model = smollm2_path()
+    model = str(model)
+    installed, _, architecture = resolve(architectures_of(model))
+    _cpu_defaults(model, engine_kwargs)
+    engine_kwargs.setdefault("enable_prefix_caching", False)
+    loaded = StandardizedVLLM(model, dispatch=True, architecture=architecture, **engine_kwargs)
+    loaded.family = installed
+    return loaded
+
+
+def _cpu_defaults(model: str, engine_kwargs: dict) -> None:
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        engine_kwargs.setdefault("kv_cache_memory_bytes", CPU_KV_CACHE_BYTES)
+    # vLLM's CPU engine downcasts float32 checkpoints to bfloat16 unless told
+    # otherwise: keep the checkpoint's own dtype, and float32 where it names none.
+    config = Path(model) / "config.json"
+    settings = json.loads(config.read_text()) if config.is_file() else {}
+    engine_kwargs.setdefault("dtype", settings.get("dtype") or settings.get("torch_dtype") or "float32")
+
+
+def shutdown(model: VLLM) -> None:
+    """Stop ``model``'s engine and its worker processes."""
+    engine = getattr(model.vllm_entrypoint, "llm_engine", None)
+    core = getattr(engine, "engine_core", None)
+    if core is not None:
+        core.shutdown()
+    model.vllm_entrypoint = None
+
+
+def family_of(model: StandardizedVLLM) -> InstalledFamily:
+    """The installed family serving ``model``."""
+    return model.family

@@ -1,0 +1,74 @@
+"""The errors vlenvoys raises, and the named reasons a value can be unavailable."""
+
+from __future__ import annotations
+
+__all__ = ["DECODE_STEP", "GATED", "ROUTED", "InvalidWrite", "UnknownArchitecture", "Unavailable"]
+
+#: Scores and patterns are recomputed from one step's queries and keys; on a decode step the
+#: earlier keys are in vLLM's KV cache, which only its kernel reads.
+DECODE_STEP = (
+    "it is recomputed from this step's queries and keys, and on a decode step the earlier "
+    "tokens' keys are in vLLM's cache, which only its kernel reads; read it on the prefill"
+)
+#: A gated MLP computes act(gate) * up in one fused kernel: act(gate) alone is never a tensor.
+GATED = (
+    "this MLP is gated: vLLM computes act(gate) * up in one fused kernel, so act(gate) alone "
+    "is never a tensor; read mlp_neurons (the down projection's input) instead"
+)
+#: A mixture of experts has no single down projection for a token.
+ROUTED = (
+    "this MLP routes each token to experts, which have no shared neurons; read mlp_output "
+    "(the MLP's contribution) instead"
+)
+
+
+class Unavailable(Exception):
+    """A value this model cannot serve, with the reason by name.
+
+    Not an AttributeError on purpose: a property that raises one falls
+    through to the envoy's ``__getattr__``, which would blame the attribute
+    instead of giving the reason. ``reason`` is one of the module constants (`DECODE_STEP`, `GATED`,
+    `ROUTED`) or a reason a family declares; ``value`` names the value and
+    ``where`` the envoy class that was asked.
+    """
+
+    def __init__(self, value: str, where: str, reason: str) -> None:
+        super().__init__(f"{value} is unavailable on {where}: {reason}")
+        self.value = value
+        self.where = where
+        self.reason = reason
+
+    @classmethod
+    def from_message(cls, message: str) -> "Unavailable":
+        """Rebuild one from its message, as it comes back from a vLLM worker process."""
+        head, _, reason = message.partition(": ")
+        value, _, where = head.partition(" is unavailable on ")
+        return cls(value, where, reason)
+
+
+def reraise(error: RuntimeError) -> None:
+    """Raise a vlenvoys error that came back from a worker as its own class.
+
+    nnsight brings a block's error home as a RuntimeError whose message starts
+    with the original class name; the ones raised here are worth catching by
+    class (``except vlenvoys.InvalidWrite``). Returns for any other error.
+    """
+    text = str(error)
+    name, _, rest = text.partition(": ")
+    message = rest.split("\n\nIntervention traceback:")[0]
+    if name == "InvalidWrite":
+        raise InvalidWrite(message) from error
+    if name == "Unavailable":
+        raise Unavailable.from_message(message) from error
+
+
+class InvalidWrite(ValueError):
+    """A written value of the wrong shape, dtype or device, refused in the block that wrote it.
+
+    The model keeps what it had, and the engine goes on serving every other
+    request in the step.
+    """
+
+
+class UnknownArchitecture(LookupError):
+    """No installed family package declares the model's architecture."""

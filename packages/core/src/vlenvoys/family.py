@@ -1,0 +1,146 @@
+"""Family declarations and their discovery through the ``vlenvoys.families`` entry points.
+
+A family package holds declarations, not machinery: for each vLLM
+architecture it serves, which envoy classes wrap its blocks, attention and
+MLP modules, and how its module names map to the standard ones. It registers
+one `Family` under the entry-point group ``vlenvoys.families``; core finds it
+when a model loads, in the client and in every vLLM worker process.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from .envoys import Attention, Layer, Mlp
+from .errors import UnknownArchitecture
+
+__all__ = ["Architecture", "Family", "InstalledFamily", "families", "resolve"]
+
+GROUP = "vlenvoys.families"
+
+#: Architectures the published family packages serve, for the error a model no
+#: installed family knows gets: it names the package to install.
+PUBLISHED = {
+    "vlenvoys-llama": ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"),
+    "vlenvoys-gpt2": ("GPT2LMHeadModel",),
+    "vlenvoys-gemma": ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"),
+    "vlenvoys-exaone": ("Exaone4ForCausalLM",),
+}
+
+
+@dataclass(frozen=True, eq=False)
+class Architecture:
+    """How one vLLM architecture's modules map to the standard envoys and names.
+
+    Attributes:
+        layer: The envoy class of its decoder blocks (a `Layer` or `FusedLayer`
+            subclass carrying the block's declarations).
+        attention: The envoy class of each block's attention module.
+        mlp: The envoy class of each block's MLP.
+        rename: nnsight ``rename=`` aliases from vLLM's module names to the
+            standard ones (``layers``, ``self_attn``, ``mlp``, ``embed_tokens``,
+            ``ln_final``, ``lm_head``), as nnterp renames transformers' modules.
+    """
+
+    layer: type[Layer]
+    attention: type[Attention] = Attention
+    mlp: type[Mlp] = Mlp
+    rename: Mapping[str, str] = field(default_factory=dict)
+
+    def envoys(self) -> dict[str, type]:
+        """The ``envoys=`` map for nnsight, keyed by standard path suffixes."""
+        return {"layers.*": self.layer, "layers.*.self_attn": self.attention, "layers.*.mlp": self.mlp}
+
+
+@dataclass(frozen=True, eq=False)
+class Family:
+    """What a family package registers: the architectures it serves.
+
+    Attributes:
+        name: Short name (``"llama"``).
+        architectures: vLLM architecture names (a config's ``architectures``
+            strings, as vLLM's model registry keys them) to their declarations.
+        vllm: The vLLM versions the family was verified against, as a PEP 440
+            specifier; another installed version loads with a warning.
+    """
+
+    name: str
+    architectures: Mapping[str, Architecture]
+    vllm: str = ""
+
+
+@dataclass(frozen=True, eq=False)
+class InstalledFamily:
+    """A `Family` found installed, with the distribution that provides it."""
+
+    family: Family
+    distribution: str
+    version: str
+
+    @property
+    def name(self) -> str:
+        return self.family.name
+
+
+@functools.cache
+def _discover() -> tuple[InstalledFamily, ...]:
+    found = []
+    for entry in importlib.metadata.entry_points(group=GROUP):
+        family = entry.load()
+        if not isinstance(family, Family):
+            raise TypeError(f"entry point {entry.name} = {entry.value} in {GROUP} is not a vlenvoys.Family")
+        dist = entry.dist
+        found.append(InstalledFamily(family, dist.name if dist else "?", dist.version if dist else "?"))
+    return tuple(sorted(found, key=lambda installed: installed.name))
+
+
+def families() -> list[InstalledFamily]:
+    """Every installed family package, by name, with its distribution and version."""
+    return list(_discover())
+
+
+def resolve(architectures: Iterable[str]) -> tuple[InstalledFamily, str, Architecture]:
+    """The installed family that declares one of ``architectures``, and its declarations.
+
+    Raises:
+        UnknownArchitecture: no installed family declares any of them; the
+            message names the architectures and the packages that would serve them.
+    """
+    architectures = list(architectures or [])
+    for name in architectures:
+        for installed in _discover():
+            if name in installed.family.architectures:
+                _check_vllm(installed)
+                return installed, name, installed.family.architectures[name]
+    packages = sorted({package for name in architectures for package, served in PUBLISHED.items() if name in served})
+    installed = ", ".join(f"{i.name} ({', '.join(i.family.architectures)})" for i in _discover()) or "none"
+    hint = (
+        f"install {' or '.join(packages)} to serve it"
+        if packages
+        else "no published family serves it; a family package is a short list of declarations (see the README)"
+    )
+    raise UnknownArchitecture(
+        f"no installed vlenvoys family declares architecture {' / '.join(architectures) or '(none in the config)'}: "
+        f"{hint}. Installed families: {installed}."
+    )
+
+
+@functools.cache
+def _check_vllm(installed: InstalledFamily) -> None:
+    spec = installed.family.vllm
+    if not spec:
+        return
+    import vllm
+    from packaging.specifiers import SpecifierSet
+
+    version = vllm.__version__
+    if version not in SpecifierSet(spec):
+        warnings.warn(
+            f"{installed.distribution} {installed.version} was verified against vLLM {spec}; "
+            f"vLLM {version} is installed, so its values have not been checked against transformers here",
+            stacklevel=3,
+        )

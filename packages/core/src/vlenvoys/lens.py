@@ -1,0 +1,104 @@
+"""The logit lens: what each layer's residual stream would predict next."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = ["Lens", "logit_lens"]
+
+
+@dataclass
+class Lens:
+    """A logit lens of one prompt.
+
+    Attributes:
+        tokens: The prompt's tokens as text, one per position.
+        probabilities: ``[layers, positions, vocab]`` softmax of each block's
+            output stream through the final norm and unembedding.
+        top_ids: ``[layers, k]`` the top next-token ids at the last position.
+        top_probabilities: ``[layers, k]`` their probabilities.
+        top_tokens: The same ids as text.
+    """
+
+    tokens: list[str]
+    probabilities: torch.Tensor
+    top_ids: torch.Tensor
+    top_probabilities: torch.Tensor
+    top_tokens: list[list[str]]
+
+    def table(self, title: str | None = None):
+        """A rich Table: one row per layer, the top predictions with their probabilities."""
+        from rich.table import Table
+
+        table = Table(title=title)
+        table.add_column("layer", justify="right")
+        for rank in range(self.top_ids.shape[1]):
+            table.add_column(f"#{rank + 1}")
+        for layer, (tokens, probabilities) in enumerate(zip(self.top_tokens, self.top_probabilities)):
+            table.add_row(str(layer), *(f"{token!r} {p:.2f}" for token, p in zip(tokens, probabilities.tolist())))
+        return table
+
+    def heatmap(self, path: str | Path, title: str | None = None) -> Path:
+        """Save the classic logit-lens picture: layers x positions, coloured by the top
+        prediction's probability and labelled with its token. Returns the path."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        best, ids = self.probabilities.max(-1)
+        layers, positions = best.shape
+        width = max(6.0, 0.9 * positions + 2)
+        height = max(4.0, 0.28 * layers + 1.5)
+        figure, axes = plt.subplots(figsize=(width, height))
+        image = axes.imshow(best.numpy(), aspect="auto", cmap="viridis", vmin=0, vmax=1, origin="lower")
+        for layer in range(layers):
+            for position in range(positions):
+                text = self._decode(int(ids[layer, position]))
+                colour = "black" if best[layer, position] > 0.6 else "white"
+                axes.text(position, layer, text, ha="center", va="center", fontsize=7, color=colour)
+        axes.set_xticks(range(positions), [repr(token)[1:-1] for token in self.tokens], rotation=45, ha="right")
+        axes.set_ylabel("layer")
+        axes.set_xlabel("input token (prediction is for the next one)")
+        axes.set_title(title or "logit lens: top next-token prediction per layer")
+        figure.colorbar(image, ax=axes, label="probability")
+        figure.tight_layout()
+        path = Path(path)
+        figure.savefig(path, dpi=120)
+        plt.close(figure)
+        return path
+
+    _decoder = None
+
+    def _decode(self, token: int) -> str:
+        return self._decoder(token) if self._decoder else str(token)
+
+
+def logit_lens(model, prompt: str, k: int = 5) -> Lens:
+    """Run a logit lens of ``prompt`` on a model from `vlenvoys.load`.
+
+    Each block's output stream (``layer_output``, every position) is put
+    through the final norm and the unembedding (`project_on_vocab`), in one
+    trace on the engine; only the per-layer probabilities come back.
+    """
+    tokenizer = model.tokenizer
+    ids = tokenizer(prompt)["input_ids"]
+    with model.trace(ids, temperature=0.0, max_tokens=1):
+        layers = list()
+        for layer in model.layers:
+            layers.append(model.project_on_vocab(layer.layer_output[0]).softmax(-1))
+        probabilities = torch.stack(layers).save()
+    probabilities = probabilities.float().cpu()
+    top = probabilities[:, -1].topk(k, dim=-1)
+    lens = Lens(
+        tokens=[tokenizer.decode([token]) for token in ids],
+        probabilities=probabilities,
+        top_ids=top.indices,
+        top_probabilities=top.values,
+        top_tokens=[[tokenizer.decode([token]) for token in row] for row in top.indices.tolist()],
+    )
+    lens._decoder = lambda token: tokenizer.decode([token])
+    return lens

@@ -1,0 +1,349 @@
+"""Values served in nnterp's layouts over vLLM's flat ``[tokens, ...]`` tensors.
+
+vLLM keeps one request's activations as ``[tokens, ...]`` rows of a step that
+holds every request in flight, rewrites its buffers in place with the next
+fused kernel, and hands most blocks their residual stream in two halves. A
+value declared here absorbs all three: it is read at one location of one
+module (its input or output), served as a private ``[1, tokens, ...]`` copy,
+and an edit of the copy, or an assignment, is handed back to the model in the
+model's own form when the block moves on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NewType
+
+import torch
+from nnsight.intervention.eproperty import eproperty
+from nnsight.intervention.interleaver import Mediator
+
+from .errors import InvalidWrite, Unavailable
+
+__all__ = [
+    "Flat",
+    "Heads",
+    "Neurons",
+    "Residual",
+    "argument",
+    "batched",
+    "served_shape",
+    "summed",
+    "summed_output",
+    "unbatched",
+    "with_argument",
+]
+
+#: ``[1, tokens, hidden_size]``: the residual stream, or what a sublayer adds to it.
+Residual = NewType("Residual", torch.Tensor)
+#: ``[1, tokens, heads, head_dim]``: one row per head.
+Heads = NewType("Heads", torch.Tensor)
+#: ``[1, tokens, intermediate_size]``: the MLP's hidden units.
+Neurons = NewType("Neurons", torch.Tensor)
+
+#: Where an argument sits in a call: ``(position, keyword)``.
+Slot = tuple[int, str]
+
+
+def argument(inputs: tuple[tuple, dict], slot: Slot) -> Any:
+    """One argument of a call served as ``(args, kwargs)``, however the caller passed it.
+
+    Returns None when the call did not pass it.
+    """
+    args, kwargs = inputs
+    index, name = slot
+    if name in kwargs:
+        return kwargs[name]
+    return args[index] if index < len(args) else None
+
+
+def with_argument(inputs: tuple[tuple, dict], slot: Slot, value: Any) -> tuple[tuple, dict]:
+    """``inputs`` with the argument at ``slot`` replaced, where the caller passed it.
+
+    Raises:
+        KeyError: the call did not pass that argument.
+    """
+    args, kwargs = inputs
+    index, name = slot
+    if name in kwargs:
+        return args, {**kwargs, name: value}
+    if index < len(args):
+        return (*args[:index], value, *args[index + 1 :]), kwargs
+    raise KeyError(f"the call passed no argument {name!r} (position {index})")
+
+
+def batched(value: torch.Tensor, head_dim: int | None = None) -> torch.Tensor:
+    """``[tokens, ...]`` as a private ``[1, tokens, ...]`` copy.
+
+    With ``head_dim``, the last axis (``heads * head_dim`` wide) is split into
+    ``[heads, head_dim]``. The copy is the caller's: the model's buffer can be
+    rewritten by the next kernel without touching it.
+    """
+    copy = value.clone()
+    if head_dim is not None:
+        copy = copy.reshape(*copy.shape[:-1], -1, head_dim)
+    return copy.unsqueeze(0)
+
+
+def unbatched(value: Any, rows: torch.Tensor, name: str, head_dim: int | None = None) -> torch.Tensor:
+    """What `batched` served, back as the ``[tokens, ...]`` the model holds.
+
+    ``rows`` is the tensor the model holds at that place now; the written
+    value must have exactly the layout it was served in (``[1, *rows.shape]``,
+    heads split out where ``head_dim`` is given), and its dtype and device.
+
+    A written value is spliced into the step the engine is running, among
+    other requests' rows, and one of another height would reach the next
+    kernel as it is, where the mismatch can end the engine and every request
+    in it. So it is refused here, in the block that wrote it.
+
+    Raises:
+        InvalidWrite: ``value`` is not a tensor, or its shape, dtype or device
+            differs from what was served.
+    """
+    expected = served_shape(rows, head_dim)
+    if not isinstance(value, torch.Tensor):
+        raise InvalidWrite(f"{name}: expected a tensor of shape {list(expected)}, got {type(value).__name__}")
+    if tuple(value.shape) != expected:
+        raise InvalidWrite(
+            f"{name}: expected shape {list(expected)} ([1, tokens, ...] for this request's "
+            f"{rows.shape[0]} tokens), got {list(value.shape)}"
+        )
+    if value.dtype != rows.dtype:
+        raise InvalidWrite(f"{name}: expected dtype {rows.dtype}, got {value.dtype}; convert it with .to({rows.dtype})")
+    if value.device != rows.device:
+        raise InvalidWrite(f"{name}: expected a tensor on {rows.device}, got one on {value.device}")
+    return value.reshape(rows.shape)
+
+
+def served_shape(rows: torch.Tensor, head_dim: int | None = None) -> tuple[int, ...]:
+    """The shape `batched` serves ``rows`` in."""
+    if head_dim is None:
+        return (1, *rows.shape)
+    return (1, *rows.shape[:-1], rows.shape[-1] // head_dim, head_dim)
+
+
+class Flat(eproperty):
+    """A value over a ``[tokens, ...]`` tensor, served as a private ``[1, tokens, ...]`` copy.
+
+    Declared on an envoy class by decorating a stub whose return annotation is
+    the layout and whose docstring says what the value is::
+
+        @Flat("output")
+        def mlp_output(self, value) -> Residual:
+            '''What the MLP adds to the residual stream.'''
+            return value
+
+    Args:
+        key: The location on the envoy: ``"input"``, ``"output"``, or a child's,
+            ``"post_attention_layernorm.input"``. ``{NAME}`` parts are filled
+            from the envoy's declarations (class attributes), so one value
+            serves every family that names the place another way.
+        select: Which part of the location is the tensor. On an ``input``, a
+            `Slot` ``(position, keyword)``; on an output, an index into a tuple
+            (by default a tuple serves its first element, so a norm vLLM calls
+            with the residual beside the stream serves its normed half). A
+            string names a declaration on the envoy holding either.
+        heads: The name of a declaration on the envoy giving the head width;
+            the last axis is then split into ``[heads, head_dim]``.
+        factor: A declaration name for a scalar of the model the tensor is
+            multiplied by to give the value (a residual multiplier); a written
+            value is divided back.
+        description: One line shown in the envoy's repr.
+
+    Reading outside a trace raises ValueError (nnsight's); a value the model
+    cannot serve raises `Unavailable` before anything is read; an assignment
+    or in-place edit of the wrong layout raises `InvalidWrite` in the block.
+    """
+
+    def __init__(
+        self,
+        key: str,
+        *,
+        select: Slot | int | str | None = None,
+        heads: str | None = None,
+        factor: str | None = None,
+        description: str | None = None,
+    ) -> None:
+        super().__init__(key=key, description=description)
+        self.select = select
+        self.heads = heads
+        self.factor = factor
+        self._stub: Callable | None = None
+
+    def __call__(self, stub: Callable) -> "Flat":
+        super().__call__(stub)
+        self._stub = stub
+        if self.description is None and stub.__doc__:
+            self.description = stub.__doc__.strip().splitlines()[0]
+        self._preprocess = self._read
+        self._transform = self._write_back
+        return self
+
+    def __str__(self) -> str:
+        hint = getattr(self._stub, "__annotations__", {}).get("return")
+        hint = getattr(hint, "__name__", hint)
+        return f"({self.name}) -> {hint}: {self.description}" if hint else f"({self.name}): {self.description}"
+
+    # -- where the value is --------------------------------------------------
+
+    def _location(self, obj: Any) -> str:
+        key = self.key.format_map(_Declarations(obj)) if "{" in self.key else self.key
+        return f"{obj.path}.{key}"
+
+    def _slot(self, obj: Any) -> Any:
+        return getattr(obj, self.select) if isinstance(self.select, str) else self.select
+
+    def _head_dim(self, obj: Any) -> int | None:
+        return None if self.heads is None else int(getattr(obj, self.heads))
+
+    def _scale(self, obj: Any) -> float:
+        return 1.0 if self.factor is None else float(getattr(obj, self.factor))
+
+    def _check_available(self, obj: Any) -> None:
+        reason = getattr(obj, "unavailable", _nothing)(self.name)
+        if reason is not None:
+            raise Unavailable(self.name, type(obj).__name__, reason)
+
+    # -- the raw value and the model's tensor in it --------------------------
+
+    def pick(self, obj: Any, raw: Any) -> torch.Tensor:
+        """The model's ``[tokens, ...]`` tensor at this location, as the value sees it."""
+        slot = self._slot(obj)
+        if self.key.endswith("input"):
+            tensor = argument(raw, slot if slot is not None else (0, ""))
+        elif isinstance(raw, (tuple, list)):
+            tensor = raw[slot or 0]
+        else:
+            tensor = raw
+        scale = self._scale(obj)
+        return tensor if scale == 1.0 else tensor * scale
+
+    def place(self, obj: Any, raw: Any, new: torch.Tensor, current: torch.Tensor) -> Any:
+        """``raw`` with the tensor `pick` read replaced so that it reads ``new``."""
+        scale = self._scale(obj)
+        if scale != 1.0:
+            new = new / scale
+        slot = self._slot(obj)
+        if self.key.endswith("input"):
+            return with_argument(raw, slot if slot is not None else (0, ""), new)
+        if isinstance(raw, (tuple, list)):
+            index = slot or 0
+            return type(raw)((*raw[:index], new, *raw[index + 1 :]))
+        return new
+
+    # -- nnsight's three callbacks -------------------------------------------
+
+    def _read(self, obj: Any, raw: Any) -> torch.Tensor:
+        value = batched(self.pick(obj, raw), self._head_dim(obj))
+        return self._stub(obj, value)
+
+    def _write_back(self, obj: Any, view: torch.Tensor, raw: Any) -> Any:
+        # Fires whether the view was edited or not: an unedited view hands the
+        # model back exactly what it had.
+        current = self.pick(obj, raw)
+        head_dim = self._head_dim(obj)
+        if tuple(view.shape) == served_shape(current, head_dim) and torch.equal(view.reshape(current.shape), current):
+            return raw
+        return self.place(obj, raw, unbatched(view, current, self.name, head_dim), current)
+
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        if obj is None:
+            return self
+        self._check_available(obj)
+        return super().__get__(obj, owner)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        self._check_available(obj)
+        location = self._location(obj)
+        raw = Mediator.value(location)
+        current = self.pick(obj, raw)
+        new = unbatched(value, current, self.name, self._head_dim(obj))
+        Mediator.swap(location, self.place(obj, raw, new, current))
+
+
+class _Summed(Flat):
+    """`Flat` over a call that takes the stream in two halves (see `summed`)."""
+
+    def __init__(self, key: str, hidden: Slot | str, residual: Slot | str, description: str | None = None) -> None:
+        super().__init__(key, select=hidden, description=description)
+        self.residual = residual
+
+    def _residual(self, obj: Any) -> Slot:
+        return getattr(obj, self.residual) if isinstance(self.residual, str) else self.residual
+
+    def pick(self, obj: Any, raw: Any) -> torch.Tensor:
+        hidden = argument(raw, self._slot(obj))
+        residual = argument(raw, self._residual(obj))
+        return hidden if residual is None else hidden + residual
+
+    def place(self, obj: Any, raw: Any, new: torch.Tensor, current: torch.Tensor) -> Any:
+        slot = self._slot(obj)
+        hidden = argument(raw, slot)
+        if argument(raw, self._residual(obj)) is None:
+            return with_argument(raw, slot, new)
+        # The callee adds the halves, so the edit rides on the hidden half.
+        return with_argument(raw, slot, hidden + (new - current))
+
+
+def summed(
+    key: str,
+    hidden: Slot | str = (0, "x"),
+    residual: Slot | str = (1, "residual"),
+    description: str | None = None,
+) -> Callable[[Callable], Flat]:
+    """The stream at a call that takes it in two halves, ``hidden + residual``, ``[1, tokens, hidden_size]``.
+
+    A fused block hands its stream to the next norm as ``norm(hidden_states,
+    residual)``, and the norm adds the two before it normalizes: the stream is
+    their sum, computed for the read. ``key`` is the call's ``input``,
+    ``hidden`` and ``residual`` where the halves sit in it (`Slot`, or the
+    name of a declaration on the envoy holding one). An edit goes back
+    as a change to the hidden half, and a read that edits nothing hands the
+    model back exactly what it had; a call without the residual (a block's
+    first norm, block 0) is its stream alone.
+    """
+
+    def decorate(stub: Callable) -> Flat:
+        return _Summed(key, hidden, residual, description)(stub)
+
+    return decorate
+
+
+class _SummedOutput(Flat):
+    """`Flat` over an output ``(hidden, residual)`` whose sum is the stream (see `summed_output`)."""
+
+    def pick(self, obj: Any, raw: Any) -> torch.Tensor:
+        return raw[0] + raw[1]
+
+    def place(self, obj: Any, raw: Any, new: torch.Tensor, current: torch.Tensor) -> Any:
+        return type(raw)((raw[0] + (new - current), *raw[1:]))
+
+
+def summed_output(key: str = "output", description: str | None = None) -> Callable[[Callable], Flat]:
+    """The stream a fused block returns as ``(hidden_states, residual)``: their sum, ``[1, tokens, hidden_size]``.
+
+    An edit goes back as a change to ``hidden_states`` (the next norm adds
+    the two); an unedited read hands back exactly what the block returned.
+    """
+
+    def decorate(stub: Callable) -> Flat:
+        return _SummedOutput(key, description=description)(stub)
+
+    return decorate
+
+
+class _Declarations(dict):
+    """Fills ``{NAME}`` in a location key from the envoy's declarations."""
+
+    def __init__(self, envoy: Any) -> None:
+        super().__init__()
+        self.envoy = envoy
+
+    def __missing__(self, name: str) -> str:
+        return str(getattr(self.envoy, name))
+
+
+def _nothing(name: str) -> None:
+    return None
+

@@ -1,0 +1,49 @@
+"""Family discovery, the error for a model no family knows, and the CLI, with no family installed."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+import vlenvoys
+from vlenvoys import testing
+from vlenvoys.cli import app
+from vlenvoys.family import resolve
+
+
+def installed_names() -> set[str]:
+    return {installed.name for installed in vlenvoys.families()}
+
+
+@pytest.mark.parametrize(
+    "architecture, package",
+    [("LlamaForCausalLM", "vlenvoys-llama"), ("GPT2LMHeadModel", "vlenvoys-gpt2"), ("Gemma2ForCausalLM", "vlenvoys-gemma")],
+)
+def test_unknown_architecture_names_the_package_that_serves_it(tmp_path, architecture, package):
+    """In the core session no family is installed; beside one, the model resolves to it instead."""
+    path = testing.tiny_model(architecture, tmp_path / "model")
+    serving = [i for i in vlenvoys.families() if architecture in i.family.architectures]
+    if serving:
+        installed, _, _ = resolve([architecture])
+        assert installed.distribution == package == serving[0].distribution
+        return
+    with pytest.raises(vlenvoys.UnknownArchitecture, match=rf"{architecture}.*install {package}"):
+        vlenvoys.load(path)
+
+
+def test_an_architecture_no_package_serves_says_so():
+    with pytest.raises(vlenvoys.UnknownArchitecture, match="FalconForCausalLM.*no published family serves it"):
+        resolve(["FalconForCausalLM"])
+
+
+def test_families_command_lists_what_is_installed():
+    result = CliRunner().invoke(app, ["families"])
+    assert result.exit_code == 0, result.output
+    for name in installed_names():
+        assert name in result.output
+
+
+def test_help_names_the_main_job():
+    result = CliRunner().invoke(app, ["--help"])
+    assert result.exit_code == 0
+    assert "lens" in result.output

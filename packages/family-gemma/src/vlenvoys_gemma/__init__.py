@@ -1,0 +1,14 @@
+"""vlenvoys-gemma: the Gemma family (declarations come in their own issue).
+
+Registered already, so that the entry point and packaging are exercised; it
+declares no architecture yet, and a Gemma model loads with an error naming
+this package.
+"""
+
+from vlenvoys import Family
+
+from .version import __version__
+
+__all__ = ["FAMILY", "__version__"]
+
+FAMILY = Family(name="gemma", vllm=">=0.32,<0.33", architectures={})
