@@ -9,8 +9,16 @@ import torch
 
 from vlenvoys import oracle, testing, weights
 
-#: Tiny random models, one per declared architecture, and the real SmolLM2.
-MODELS = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM2"]
+#: Tiny random models, one per declared architecture (name: architecture, config
+#: overrides), and the real SmolLM2. The windowed Mistral slides a 4-token window
+#: over prompts of up to 24 tokens.
+MODELS = {
+    "LlamaForCausalLM": ("LlamaForCausalLM", {}),
+    "MistralForCausalLM-window4": ("MistralForCausalLM", {"sliding_window": 4}),
+    "Qwen2ForCausalLM": ("Qwen2ForCausalLM", {}),
+    "Qwen3ForCausalLM": ("Qwen3ForCausalLM", {}),
+    "SmolLM2": (None, {}),
+}
 REAL_PROMPTS = (
     "The Eiffel Tower is located in the city of",
     "def fibonacci(n):",
@@ -36,18 +44,19 @@ class Subject:
         return self.cache[index]
 
 
-@pytest.fixture(scope="session", params=MODELS)
+@pytest.fixture(scope="session", params=list(MODELS))
 def subject(request, tmp_path_factory):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     name = request.param
-    if name == "SmolLM2":
+    architecture, overrides = MODELS[name]
+    if architecture is None:
         path, texts = weights.smollm2_path(), REAL_PROMPTS
     else:
-        path, texts = testing.tiny_model(name, tmp_path_factory.mktemp(name)), testing.PROMPTS
+        path, texts = testing.tiny_model(architecture, tmp_path_factory.mktemp(name), **overrides), testing.PROMPTS
     tokenizer = AutoTokenizer.from_pretrained(path)
     prompts = [tokenizer(text)["input_ids"] for text in texts]
-    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    reference = oracle.load_reference(path)
     with oracle.engine(str(path)) as model:
         yield Subject(name, model, reference, prompts)
 

@@ -8,9 +8,10 @@
 
 from .engine import StandardizedVLLM, load, shutdown
 from .envoys import Attention, FusedLayer, Layer, Mlp, StandardEnvoy
-from .errors import DECODE_STEP, GATED, ROUTED, InvalidWrite, Unavailable, UnknownArchitecture
+from .errors import DECODE_STEP, GATED, ROUTED, InvalidWrite, ReadOnly, Unavailable, UnknownArchitecture
 from .family import Architecture, Family, InstalledFamily, families
-from .values import Flat, Heads, Neurons, Residual, argument, batched, summed, summed_output, unbatched, with_argument
+from .support import Support, support
+from .values import Derived, Flat, Heads, Neurons, Pattern, Residual, argument, batched, summed, summed_output, unbatched, with_argument
 from .version import __version__
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "Architecture",
     "Attention",
     "Family",
+    "Derived",
     "Flat",
     "FusedLayer",
     "Heads",
@@ -28,9 +30,12 @@ __all__ = [
     "Layer",
     "Mlp",
     "Neurons",
+    "Pattern",
+    "ReadOnly",
     "Residual",
     "StandardEnvoy",
     "StandardizedVLLM",
+    "Support",
     "Unavailable",
     "UnknownArchitecture",
     "__version__",
@@ -40,6 +45,7 @@ __all__ = [
     "load",
     "shutdown",
     "summed",
+    "support",
     "summed_output",
     "unbatched",
     "with_argument",

@@ -12,7 +12,14 @@ from typing import ClassVar
 
 from nnsight.intervention.envoy import Envoy
 
-from .values import Flat, Residual, Slot, summed, summed_output
+from .attention import on_decode_step, scores
+from .errors import GATED, ROUTED
+from .values import Derived, Flat, Heads, Neurons, Pattern, Residual, Slot, summed, summed_output
+
+_PATTERN_READ_ONLY = (
+    "vLLM's kernel computes the pattern and takes none; edit attention_queries or attention_keys "
+    "to change what a head attends to, or attention_head_outputs to change what it wrote"
+)
 
 __all__ = ["Attention", "FusedLayer", "Layer", "Mlp", "StandardEnvoy"]
 
@@ -27,9 +34,10 @@ class StandardEnvoy(Envoy):
 
     UNAVAILABLE: ClassVar[Mapping[str, str]] = {}
 
-    def unavailable(self, value: str) -> str | None:
-        """Why ``value`` cannot be served here, or None when it can."""
-        return self.UNAVAILABLE.get(value)
+    @classmethod
+    def unavailable(cls, value: str) -> str | None:
+        """Why ``value`` cannot be served by this kind of module, or None when it can."""
+        return cls.UNAVAILABLE.get(value)
 
 
 class Layer(StandardEnvoy):
@@ -81,10 +89,11 @@ class Layer(StandardEnvoy):
         """The residual stream leaving the block, [1, tokens, hidden_size]: the block's output."""
         return value
 
-    def unavailable(self, value: str) -> str | None:
-        if value == "layer_mid" and self.MID is None:
+    @classmethod
+    def unavailable(cls, value: str) -> str | None:
+        if value == "layer_mid" and cls.MID is None:
             return (
-                f"{type(self).__name__} declares no place where the stream after the attention add "
+                f"{cls.__name__} declares no place where the stream after the attention add "
                 "is held; read layer_input + attention_output"
             )
         return super().unavailable(value)
@@ -126,12 +135,74 @@ class FusedLayer(Layer):
         """The residual stream leaving the block, [1, tokens, hidden_size]: the sum of its two outputs."""
         return value
 
-    def unavailable(self, value: str) -> str | None:
-        return StandardEnvoy.unavailable(self, value)
+    @classmethod
+    def unavailable(cls, value: str) -> str | None:
+        return cls.UNAVAILABLE.get(value)
 
 
 class Attention(StandardEnvoy):
-    """A vLLM attention module: what it adds to the residual stream."""
+    """A vLLM attention module: its contribution, what goes into and comes out of the engine's attention layer, and the pattern.
+
+    The module projects (and, on a rotary family, rotates and norms) its
+    queries, keys and values and calls vLLM's attention layer on them,
+    ``self.attn(q, k, v)``, which returns the per-head outputs the output
+    projection then mixes. Those four are that child's inputs and output,
+    each ``[tokens, heads * head_dim]``, served with the heads split out by
+    the layer's own ``head_size``. They are this step's rows: on a decode step
+    the keys and values are the new token's alone (the earlier ones are in
+    the engine's cache, which only the kernel reads).
+
+    The scores and the pattern are computed inside the kernel, so they are
+    recomputed from the queries and keys (`vlenvoys.attention.scores`):
+    read-only, and there on the prefill only; a decode step raises
+    `Unavailable` (``DECODE_STEP``).
+
+    Declarations: ``KERNEL``, the attention layer's child name; ``OUT_PROJ``,
+    the output projection's.
+    """
+
+    KERNEL: ClassVar[str] = "attn"
+    OUT_PROJ: ClassVar[str] = "o_proj"
+
+    @property
+    def head_dim(self) -> int:
+        """The width of one head, from vLLM's attention layer (``head_size``)."""
+        return int(self._module.get_submodule(self.KERNEL).head_size)
+
+    @Flat("{KERNEL}.input", select=(0, "query"), heads="head_dim")
+    def attention_queries(self, value) -> Heads:
+        """The queries the attention layer receives, [1, tokens, heads, head_dim]: after projection, any query norm and rotary."""
+        return value
+
+    @Flat("{KERNEL}.input", select=(1, "key"), heads="head_dim")
+    def attention_keys(self, value) -> Heads:
+        """This step's keys as the attention layer receives them, [1, tokens, kv_heads, head_dim]."""
+        return value
+
+    @Flat("{KERNEL}.input", select=(2, "value"), heads="head_dim")
+    def attention_values(self, value) -> Heads:
+        """This step's values as the attention layer receives them, [1, tokens, kv_heads, head_dim]."""
+        return value
+
+    @Derived("{KERNEL}.input", dynamic=on_decode_step, read_only=_PATTERN_READ_ONLY)
+    def attention_scores(self, inputs) -> Pattern:
+        """The scores entering the softmax, [1, heads, query, key], float32, masked entries -inf; prefill only, read-only."""
+        return scores(self._module.get_submodule(self.KERNEL), inputs)
+
+    @Derived("{KERNEL}.input", dynamic=on_decode_step, read_only=_PATTERN_READ_ONLY)
+    def attention_probabilities(self, inputs) -> Pattern:
+        """The attention pattern, [1, heads, query, key], float32: softmax of the scores; prefill only, read-only."""
+        return scores(self._module.get_submodule(self.KERNEL), inputs).softmax(-1)
+
+    @Flat("{KERNEL}.output", heads="head_dim")
+    def attention_head_outputs(self, value) -> Heads:
+        """Each head's output as the attention layer returns it, [1, tokens, heads, head_dim]."""
+        return value
+
+    @Flat("{OUT_PROJ}.input", select=(0, "input_"), heads="head_dim")
+    def attention_premix(self, value) -> Heads:
+        """The output projection's input split by head, [1, tokens, heads, head_dim]; the head outputs where no gate sits between."""
+        return value
 
     @Flat("output")
     def attention_output(self, value) -> Residual:
@@ -140,7 +211,43 @@ class Attention(StandardEnvoy):
 
 
 class Mlp(StandardEnvoy):
-    """A vLLM feed-forward module: what it adds to the residual stream."""
+    """A vLLM feed-forward module: its neurons and what it adds to the residual stream.
+
+    The neurons are the down projection's input, as on transformers. On a
+    plain MLP (GPT-2's GELU) that is also the activation's output, and it is
+    read there for both: vLLM builds an activation module once and shares it
+    between every block, so the activation's own output cannot say which
+    block called it. A gated MLP is different on vLLM: its gate and up
+    projections are one ``gate_up_proj`` and its ``act_fn`` (``SiluAndMul``,
+    ``GeluAndMul``) computes ``act(gate) * up`` in one kernel, so ``act(gate)``
+    alone is never a tensor: ``mlp_activation`` is unavailable (``GATED``) and
+    ``mlp_neurons`` is that kernel's output. A mixture of experts has neither
+    (``ROUTED``); its ``mlp_output`` is served.
+
+    Declarations: ``KIND`` (``"plain"``, ``"gated"`` or ``"routed"``) and
+    ``DOWN``, the down projection's child name.
+    """
+
+    KIND: ClassVar[str] = "gated"
+    DOWN: ClassVar[str] = "down_proj"
+
+    @Flat("{DOWN}.input", select=(0, "input_"))
+    def mlp_activation(self, value) -> Neurons:
+        """act(up_proj(x)) on a plain MLP, [1, tokens, intermediate_size]: read as the down projection's input, which it is."""
+        return value
+
+    @Flat("{DOWN}.input", select=(0, "input_"))
+    def mlp_neurons(self, value) -> Neurons:
+        """The neurons, [1, tokens, intermediate_size]: the down projection's input."""
+        return value
+
+    @classmethod
+    def unavailable(cls, value: str) -> str | None:
+        if cls.KIND == "routed" and value in ("mlp_activation", "mlp_neurons"):
+            return ROUTED
+        if cls.KIND == "gated" and value == "mlp_activation":
+            return GATED
+        return super().unavailable(value)
 
     @Flat("output")
     def mlp_output(self, value) -> Residual:

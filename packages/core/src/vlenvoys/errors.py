@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["DECODE_STEP", "GATED", "ROUTED", "InvalidWrite", "UnknownArchitecture", "Unavailable"]
+__all__ = ["DECODE_STEP", "GATED", "ROUTED", "InvalidWrite", "ReadOnly", "UnknownArchitecture", "Unavailable"]
 
 #: Scores and patterns are recomputed from one step's queries and keys; on a decode step the
 #: earlier keys are in vLLM's KV cache, which only its kernel reads.
@@ -60,6 +60,8 @@ def reraise(error: RuntimeError) -> None:
         raise InvalidWrite(message) from error
     if name == "Unavailable":
         raise Unavailable.from_message(message) from error
+    if name == "ReadOnly":
+        raise ReadOnly(message) from error
 
 
 class InvalidWrite(ValueError):
@@ -68,6 +70,10 @@ class InvalidWrite(ValueError):
     The model keeps what it had, and the engine goes on serving every other
     request in the step.
     """
+
+
+class ReadOnly(TypeError):
+    """A value that is computed for reading and cannot be written (the attention pattern)."""
 
 
 class UnknownArchitecture(LookupError):

@@ -15,18 +15,40 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["HFLayout", "LLAMA_LAYOUT", "STREAM_VALUES", "edited_logits", "reference"]
+__all__ = ["HFLayout", "LLAMA_LAYOUT", "STREAM_VALUES", "VALUES", "edited_logits", "load_reference", "reference"]
 
-#: The values of a block, in the order the forward reaches them (nnsight needs that order).
-STREAM_VALUES = (
+#: The values of a block, as (owner, name), in the order the forward reaches them
+#: (nnsight needs that order within one invoke).
+VALUES = (
     ("layer", "layer_input"),
     ("layer", "attention_norm_output"),
+    ("self_attn", "attention_queries"),
+    ("self_attn", "attention_keys"),
+    ("self_attn", "attention_values"),
+    ("self_attn", "attention_scores"),
+    ("self_attn", "attention_probabilities"),
+    ("self_attn", "attention_head_outputs"),
+    ("self_attn", "attention_premix"),
     ("self_attn", "attention_output"),
     ("layer", "layer_mid"),
     ("layer", "mlp_norm_output"),
+    ("mlp", "mlp_activation"),
+    ("mlp", "mlp_neurons"),
     ("mlp", "mlp_output"),
     ("layer", "layer_output"),
 )
+#: The residual-stream values alone.
+STREAM_VALUES = tuple(v for v in VALUES if v[1] in {
+    "layer_input", "attention_norm_output", "attention_output", "layer_mid", "mlp_norm_output", "mlp_output",
+    "layer_output",
+})
+#: Values read inside transformers' attention function rather than at a module.
+ATTENTION_VALUES = (
+    "attention_queries", "attention_keys", "attention_values", "attention_scores", "attention_probabilities",
+    "attention_head_outputs",
+)
+#: The name the recording attention function is registered under in transformers.
+ORACLE_ATTENTION = "vlenvoys_oracle"
 
 #: (module path under the block, "input" or "output") for one value.
 Place = tuple[str, str]
@@ -52,6 +74,8 @@ class HFLayout:
             "mlp_norm_output": ("post_attention_layernorm", "output"),
             "mlp_output": ("mlp", "output"),
             "layer_output": ("", "output"),
+            "attention_premix": ("self_attn.o_proj", "input"),
+            "mlp_neurons": ("mlp.down_proj", "input"),
         }
     )
 
@@ -61,6 +85,66 @@ class HFLayout:
 
 #: Llama, Mistral, Qwen2, Qwen3 (and Gemma's names) in transformers 5.
 LLAMA_LAYOUT = HFLayout()
+
+
+class _Recorder:
+    """What the recording attention function keeps and changes, while one is active."""
+
+    def __init__(self, key_edits: dict | None = None) -> None:
+        self.values: dict[str, dict[int, torch.Tensor]] = {name: {} for name in ATTENTION_VALUES}
+        self.key_edits = key_edits or {}
+
+
+_ACTIVE: list[_Recorder] = []
+
+
+def _recording_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """transformers' own eager attention for the module's model, recording its inputs and pattern.
+
+    ``query`` is ``[batch, heads, tokens, head_dim]`` after projection, any
+    norm and rotary; ``key``/``value`` ``[batch, kv_heads, tokens, head_dim]``.
+    """
+    import sys
+
+    eager = sys.modules[type(module).__module__].eager_attention_forward
+    recorder = _ACTIVE[-1] if _ACTIVE else None
+    layer = getattr(module, "layer_idx", None)
+    if recorder is not None and layer in recorder.key_edits:
+        key = recorder.key_edits[layer](key)
+    output, weights = eager(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    if recorder is not None:
+        groups = query.shape[1] // key.shape[1]
+        raw = torch.matmul(query.float(), key.float().repeat_interleave(groups, 1).transpose(2, 3)) * scaling
+        cap = kwargs.get("softcap")
+        if cap:
+            raw = cap * torch.tanh(raw / cap)
+        if attention_mask is not None:
+            raw = raw.masked_fill(attention_mask[..., : raw.shape[-1]] < -1e30, float("-inf"))
+        keep = recorder.values
+        keep["attention_queries"][layer] = query.transpose(1, 2).detach().clone()
+        keep["attention_keys"][layer] = key.transpose(1, 2).detach().clone()
+        keep["attention_values"][layer] = value.transpose(1, 2).detach().clone()
+        keep["attention_scores"][layer] = raw.detach().clone()
+        keep["attention_probabilities"][layer] = weights.detach().float().clone()
+        keep["attention_head_outputs"][layer] = output.detach().clone()
+    return output, weights
+
+
+def register_attention() -> str:
+    """Register the recording attention (and eager's mask) with transformers; returns its name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(ORACLE_ATTENTION, _recording_attention)
+    AttentionMaskInterface.register(ORACLE_ATTENTION, eager_mask)
+    return ORACLE_ATTENTION
+
+
+def load_reference(path) -> torch.nn.Module:
+    """The transformers model of a checkpoint, float32, with the recording attention."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=register_attention()).eval()
 
 
 def _first(value: object) -> torch.Tensor:
@@ -75,12 +159,18 @@ def _module(block: torch.nn.Module, child: str) -> torch.nn.Module:
 def reference(model: torch.nn.Module, input_ids: Sequence[int], layout: HFLayout = LLAMA_LAYOUT) -> dict:
     """Every standard value of every block, and the last token's logits, from transformers.
 
+    The attention values need the model loaded with `load_reference` (the
+    recording attention); the rest are read with hooks at the modules
+    ``layout`` names.
+
     Returns:
         ``{"values": {name: [per block, [1, tokens, ...]]}, "logits": [vocab]}``,
-        float tensors on the CPU.
+        float tensors on the CPU; patterns are ``[1, heads, query, key]`` with
+        masked scores ``-inf``.
     """
     values: dict[str, list] = {name: [None] * len(layout.blocks(model)) for name in layout.places}
     handles = []
+    recorder = _Recorder()
     for index, block in enumerate(layout.blocks(model)):
         for name, (child, side) in layout.places.items():
             module = _module(block, child)
@@ -99,11 +189,21 @@ def reference(model: torch.nn.Module, input_ids: Sequence[int], layout: HFLayout
                 handles.append(module.register_forward_pre_hook(keep(), with_kwargs=True))
             else:
                 handles.append(module.register_forward_hook(keep(), with_kwargs=True))
+    _ACTIVE.append(recorder)
     try:
         logits = model(torch.tensor([list(input_ids)])).logits[0, -1]
     finally:
+        _ACTIVE.remove(recorder)
         for handle in handles:
             handle.remove()
+    for name, by_layer in recorder.values.items():
+        if by_layer:
+            values[name] = [by_layer[layer] for layer in sorted(by_layer)]
+    if "attention_premix" in values and "attention_head_outputs" in values:
+        # The output projection's input, split into heads as the head outputs are.
+        values["attention_premix"] = [
+            premix.reshape(heads.shape) for premix, heads in zip(values["attention_premix"], values["attention_head_outputs"])
+        ]
     return {"values": values, "logits": logits.detach().clone()}
 
 
@@ -128,18 +228,27 @@ def _hooked(module: torch.nn.Module, side: str, edit: Callable[[torch.Tensor], t
 def edited_logits(
     model: torch.nn.Module,
     input_ids: Sequence[int],
-    edits: Sequence[tuple[int, str, str, Callable[[torch.Tensor], torch.Tensor]]],
+    edits: Sequence[tuple[int, str, str, Callable[[torch.Tensor], torch.Tensor]]] = (),
     layout: HFLayout = LLAMA_LAYOUT,
+    key_edits: dict[int, Callable[[torch.Tensor], torch.Tensor]] | None = None,
 ) -> torch.Tensor:
     """The last token's logits ``[vocab]`` with edits applied on transformers.
 
     Each edit is ``(block index, child path, "input" | "output", fn)``:
     ``fn`` maps the ``[1, tokens, ...]`` tensor there to its replacement.
+    ``key_edits`` maps a block index to a function of its keys as the
+    attention function receives them (``[1, kv_heads, tokens, head_dim]``,
+    rotated), on a model from `load_reference`.
     """
+    recorder = _Recorder(key_edits)
     with contextlib.ExitStack() as stack:
         for index, child, side, fn in edits:
             stack.enter_context(_hooked(_module(layout.blocks(model)[index], child), side, fn))
-        return model(torch.tensor([list(input_ids)])).logits[0, -1].detach().clone()
+        _ACTIVE.append(recorder)
+        try:
+            return model(torch.tensor([list(input_ids)])).logits[0, -1].detach().clone()
+        finally:
+            _ACTIVE.remove(recorder)
 
 
 @contextlib.contextmanager

@@ -18,12 +18,15 @@ import torch
 from nnsight.intervention.eproperty import eproperty
 from nnsight.intervention.interleaver import Mediator
 
-from .errors import InvalidWrite, Unavailable
+from .errors import InvalidWrite, ReadOnly, Unavailable
 
 __all__ = [
+    "Derived",
     "Flat",
     "Heads",
+    "Located",
     "Neurons",
+    "Pattern",
     "Residual",
     "argument",
     "batched",
@@ -40,6 +43,8 @@ Residual = NewType("Residual", torch.Tensor)
 Heads = NewType("Heads", torch.Tensor)
 #: ``[1, tokens, intermediate_size]``: the MLP's hidden units.
 Neurons = NewType("Neurons", torch.Tensor)
+#: ``[1, heads, query, key]``: one score or weight per head, query token and key token.
+Pattern = NewType("Pattern", torch.Tensor)
 
 #: Where an argument sits in a call: ``(position, keyword)``.
 Slot = tuple[int, str]
@@ -123,7 +128,74 @@ def served_shape(rows: torch.Tensor, head_dim: int | None = None) -> tuple[int, 
     return (1, *rows.shape[:-1], rows.shape[-1] // head_dim, head_dim)
 
 
-class Flat(eproperty):
+class Located(eproperty):
+    """An eproperty whose location key is filled from the envoy's declarations,
+    and which can refuse, by name, a value the model cannot serve.
+
+    ``{NAME}`` parts of the key are the envoy's class attributes; the envoy's
+    ``unavailable(name)`` (static reasons) and ``dynamic`` (a callable of the
+    envoy and the location, for reasons that depend on the step a read would
+    be served) are asked before anything is read.
+    """
+
+    def __init__(self, key: str, *, description: str | None = None, dynamic: Callable | None = None) -> None:
+        super().__init__(key=key, description=description)
+        self.dynamic = dynamic
+        self._stub: Callable | None = None
+
+    def __call__(self, stub: Callable) -> "Located":
+        super().__call__(stub)
+        self._stub = stub
+        if self.description is None and stub.__doc__:
+            self.description = stub.__doc__.strip().splitlines()[0]
+        return self
+
+    def __str__(self) -> str:
+        hint = getattr(self._stub, "__annotations__", {}).get("return")
+        hint = getattr(hint, "__name__", hint)
+        return f"({self.name}) -> {hint}: {self.description}" if hint else f"({self.name}): {self.description}"
+
+    @property
+    def layout(self) -> str:
+        """The value's layout, from its stub's annotation (``Residual``, ``Heads``, ...)."""
+        hint = getattr(self._stub, "__annotations__", {}).get("return")
+        return str(getattr(hint, "__name__", hint))
+
+    def _location(self, obj: Any) -> str:
+        key = self.key.format_map(_Declarations(obj)) if "{" in self.key else self.key
+        return f"{obj.path}.{key}"
+
+    def _check_available(self, obj: Any) -> None:
+        reason = getattr(obj, "unavailable", _nothing)(self.name)
+        if reason is None and self.dynamic is not None:
+            reason = self.dynamic(obj, self._location(obj))
+        if reason is not None:
+            raise Unavailable(self.name, type(obj).__name__, reason)
+
+
+class Derived(Located):
+    """A read-only value computed from the raw value at one location.
+
+    The decorated stub receives the raw value (a module's ``(args, kwargs)``
+    or output) and returns the value. Assigning it raises `ReadOnly`, whose
+    message (``read_only``) says what to edit instead.
+    """
+
+    def __init__(self, key: str, *, read_only: str, description: str | None = None, dynamic: Callable | None = None):
+        super().__init__(key, description=description, dynamic=dynamic)
+        self.read_only = read_only
+
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        if obj is None:
+            return self
+        self._check_available(obj)
+        return super().__get__(obj, owner)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        raise ReadOnly(f"{self.name} is read-only: {self.read_only}")
+
+
+class Flat(Located):
     """A value over a ``[tokens, ...]`` tensor, served as a private ``[1, tokens, ...]`` copy.
 
     Declared on an envoy class by decorating a stub whose return annotation is
@@ -150,6 +222,8 @@ class Flat(eproperty):
             multiplied by to give the value (a residual multiplier); a written
             value is divided back.
         description: One line shown in the envoy's repr.
+        dynamic: ``(envoy, location) -> reason | None``, asked before a read
+            (see `Located`).
 
     Reading outside a trace raises ValueError (nnsight's); a value the model
     cannot serve raises `Unavailable` before anything is read; an assignment
@@ -164,32 +238,20 @@ class Flat(eproperty):
         heads: str | None = None,
         factor: str | None = None,
         description: str | None = None,
+        dynamic: Callable | None = None,
     ) -> None:
-        super().__init__(key=key, description=description)
+        super().__init__(key, description=description, dynamic=dynamic)
         self.select = select
         self.heads = heads
         self.factor = factor
-        self._stub: Callable | None = None
 
     def __call__(self, stub: Callable) -> "Flat":
         super().__call__(stub)
-        self._stub = stub
-        if self.description is None and stub.__doc__:
-            self.description = stub.__doc__.strip().splitlines()[0]
         self._preprocess = self._read
         self._transform = self._write_back
         return self
 
-    def __str__(self) -> str:
-        hint = getattr(self._stub, "__annotations__", {}).get("return")
-        hint = getattr(hint, "__name__", hint)
-        return f"({self.name}) -> {hint}: {self.description}" if hint else f"({self.name}): {self.description}"
-
     # -- where the value is --------------------------------------------------
-
-    def _location(self, obj: Any) -> str:
-        key = self.key.format_map(_Declarations(obj)) if "{" in self.key else self.key
-        return f"{obj.path}.{key}"
 
     def _slot(self, obj: Any) -> Any:
         return getattr(obj, self.select) if isinstance(self.select, str) else self.select
@@ -199,11 +261,6 @@ class Flat(eproperty):
 
     def _scale(self, obj: Any) -> float:
         return 1.0 if self.factor is None else float(getattr(obj, self.factor))
-
-    def _check_available(self, obj: Any) -> None:
-        reason = getattr(obj, "unavailable", _nothing)(self.name)
-        if reason is not None:
-            raise Unavailable(self.name, type(obj).__name__, reason)
 
     # -- the raw value and the model's tensor in it --------------------------
 

@@ -1,0 +1,108 @@
+"""Which standard values a model serves, and why not where it cannot."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from .envoys import StandardEnvoy
+from .family import Architecture, resolve
+from .values import Derived, Located
+
+__all__ = ["Support", "Row", "support"]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One value of one kind of envoy."""
+
+    envoy: str  #: "model", "layer", "attention" or "mlp"
+    value: str
+    layout: str
+    available: bool
+    note: str  #: the reason it is unavailable, or a restriction ("prefill only")
+
+
+@dataclass(frozen=True)
+class Support:
+    """Every standard value of a model's envoys with its availability; iterate it for the rows."""
+
+    architecture: str
+    family: str
+    rows: tuple[Row, ...]
+
+    def __iter__(self):
+        return iter(self.rows)
+
+    def __getitem__(self, key: tuple[str, str]) -> Row:
+        """The row of ``(envoy, value)``, e.g. ``support["mlp", "mlp_activation"]``."""
+        for row in self.rows:
+            if (row.envoy, row.value) == key:
+                return row
+        raise KeyError(key)
+
+    def table(self):
+        """A rich Table of the rows."""
+        from rich.table import Table
+
+        table = Table(title=f"{self.architecture} ({self.family}): standard values")
+        for column in ("envoy", "value", "layout", "available", "note"):
+            table.add_column(column)
+        for row in self.rows:
+            table.add_row(row.envoy, row.value, row.layout, "yes" if row.available else "no", row.note)
+        return table
+
+    def __str__(self) -> str:
+        from rich.console import Console
+
+        console = Console(width=160, record=True)
+        with console.capture() as capture:
+            console.print(self.table())
+        return capture.get()
+
+
+def values_of(cls: type) -> list[tuple[str, Located]]:
+    """The standard values declared on an envoy class, in declaration order (bases first)."""
+    seen: dict[str, Located] = {}
+    for klass in reversed(cls.__mro__):
+        for name, attribute in vars(klass).items():
+            if isinstance(attribute, Located):
+                seen.pop(name, None)
+                seen[name] = attribute
+    return list(seen.items())
+
+
+def _rows(kind: str, cls: type[StandardEnvoy]) -> list[Row]:
+    rows = []
+    for name, value in values_of(cls):
+        reason = cls.unavailable(name)
+        note = reason or ("prefill only; read-only" if isinstance(value, Derived) else "")
+        rows.append(Row(kind, name, value.layout, reason is None, note))
+    return rows
+
+
+def support(model: Any) -> Support:
+    """The availability of every standard value for ``model``.
+
+    ``model`` is a model from `vlenvoys.load`, or a local checkpoint folder
+    (no engine is started: availability follows from the family's
+    declarations). Outside a trace, a value that only a decode step cannot
+    serve is listed as available, on the prefill.
+
+    Raises:
+        UnknownArchitecture: no installed family declares the checkpoint's architecture.
+    """
+    from .engine import architectures_of
+
+    if isinstance(model, (str, os.PathLike)):
+        installed, name, architecture = resolve(architectures_of(model))
+    else:
+        architecture: Architecture = model.architecture
+        installed = model.family
+        name = next(a for a, declared in installed.family.architectures.items() if declared is architecture)
+    rows = [Row("model", "token_embeddings", "Residual", True, "block 0's stream input")]
+    rows += _rows("layer", architecture.layer)
+    rows += _rows("attention", architecture.attention)
+    rows += _rows("mlp", architecture.mlp)
+    return Support(name, installed.name, tuple(rows))
