@@ -47,3 +47,12 @@ def test_help_names_the_main_job():
     result = CliRunner().invoke(app, ["--help"])
     assert result.exit_code == 0
     assert "lens" in result.output
+
+
+def test_support_command_needs_an_installed_family(tmp_path):
+    path = testing.tiny_model("LlamaForCausalLM", tmp_path / "model")
+    result = CliRunner().invoke(app, ["support", str(path)])
+    if any("LlamaForCausalLM" in i.family.architectures for i in vlenvoys.families()):
+        assert result.exit_code == 0 and "mlp_activation" in result.output
+    else:
+        assert isinstance(result.exception, vlenvoys.UnknownArchitecture)

@@ -17,6 +17,8 @@ MODELS = {
     "MistralForCausalLM-window4": ("MistralForCausalLM", {"sliding_window": 4}),
     "Qwen2ForCausalLM": ("Qwen2ForCausalLM", {}),
     "Qwen3ForCausalLM": ("Qwen3ForCausalLM", {}),
+    "Qwen2MoeForCausalLM": ("Qwen2MoeForCausalLM", {}),
+    "MixtralForCausalLM": ("MixtralForCausalLM", {}),
     "SmolLM2": (None, {}),
 }
 REAL_PROMPTS = (
@@ -36,6 +38,11 @@ class Subject:
     reference: torch.nn.Module
     prompts: list[list[int]]
     cache: dict = field(default_factory=dict)
+
+    @property
+    def routed(self) -> bool:
+        """Whether the model's MLPs are mixtures of experts."""
+        return self.model.architecture.mlp.KIND == "routed"
 
     def expected(self, index: int) -> dict:
         """transformers' values for prompt ``index``, computed once."""

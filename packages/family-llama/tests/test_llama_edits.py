@@ -36,7 +36,7 @@ def steering_vector(subject) -> torch.Tensor:
 def test_add_to_layer_mid_in_place(subject):
     """Add a vector at one position of layer 1's mid stream, in place."""
     prompt, vector = subject.prompts[2], steering_vector(subject)
-    position = 1
+    position = len(prompt) - 2  # inside every sliding window of the last token
 
     def edit(model):
         model.layers[1].layer_mid[:, position] += vector

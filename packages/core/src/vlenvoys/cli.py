@@ -49,6 +49,20 @@ def lens(
 
 
 @app.command()
+def support(model: Model = None) -> None:
+    """Which standard values a model serves, and why not where it cannot (no engine is started)."""
+    from rich.console import Console
+
+    import vlenvoys
+
+    if model is None:
+        from vlenvoys.weights import smollm2_path
+
+        model = str(smollm2_path())
+    Console().print(vlenvoys.support(model).table())
+
+
+@app.command()
 def families() -> None:
     """List the installed family packages, their versions and the architectures they serve."""
     from rich.console import Console

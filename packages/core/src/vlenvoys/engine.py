@@ -42,7 +42,7 @@ class StandardizedVLLM(VLLM):
         super().__init__(*args, **kwargs)
 
     def _load_meta(self, repo_id: str, **kwargs: Any) -> Any:
-        with _without_accelerator():
+        with _meta_build():
             return super()._load_meta(repo_id, **kwargs)
 
     def _load(self, repo_id: str, **kwargs: Any) -> Any:
@@ -93,22 +93,28 @@ class StandardizedVLLM(VLLM):
 
 
 @contextlib.contextmanager
-def _without_accelerator() -> Iterator[None]:
-    """Let vLLM's loader build the client's meta tree on a machine with no accelerator.
+def _meta_build() -> Iterator[None]:
+    """Let vLLM's loader build the client's meta tree (structure only, no weights).
 
-    The loader empties the accelerator's cache after building a model, which
-    raises where there is none (vLLM's CPU runner silences it the same way, in
-    its own process).
+    Two steps of the loader need real tensors or a device and serve no purpose
+    for a tree read only for its structure: emptying the accelerator's cache
+    (which raises where there is none; vLLM's CPU runner silences it the same
+    way in its own process), and turning weights into kernel formats (the CPU
+    mixture-of-experts prepack has no meta kernel).
     """
-    if torch.accelerator.current_accelerator() is not None:
-        yield
-        return
-    empty_cache = torch.accelerator.empty_cache
-    torch.accelerator.empty_cache = lambda *args, **kwargs: None
+    from vllm.model_executor.model_loader import base_loader
+
+    patches = [(base_loader, "process_weights_after_loading", lambda *args, **kwargs: None)]
+    if torch.accelerator.current_accelerator() is None:
+        patches.append((torch.accelerator, "empty_cache", lambda *args, **kwargs: None))
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, replacement in patches:
+        setattr(owner, name, replacement)
     try:
         yield
     finally:
-        torch.accelerator.empty_cache = empty_cache
+        for owner, name, original in saved:
+            setattr(owner, name, original)
 
 
 def worker_class() -> str:

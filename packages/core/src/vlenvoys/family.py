@@ -25,7 +25,10 @@ GROUP = "vlenvoys.families"
 #: Architectures the published family packages serve, for the error a model no
 #: installed family knows gets: it names the package to install.
 PUBLISHED = {
-    "vlenvoys-llama": ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"),
+    "vlenvoys-llama": (
+        "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM",
+        "MixtralForCausalLM", "GraniteForCausalLM",
+    ),
     "vlenvoys-gpt2": ("GPT2LMHeadModel",),
     "vlenvoys-gemma": ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"),
     "vlenvoys-exaone": ("Exaone4ForCausalLM",),

@@ -173,7 +173,10 @@ def reference(model: torch.nn.Module, input_ids: Sequence[int], layout: HFLayout
     recorder = _Recorder()
     for index, block in enumerate(layout.blocks(model)):
         for name, (child, side) in layout.places.items():
-            module = _module(block, child)
+            try:
+                module = _module(block, child)
+            except AttributeError:  # a mixture of experts has no single down projection
+                continue
 
             def keep(store: list = values[name], at: int = index) -> Callable:
                 def hook(module, args, kwargs, output=None):
