@@ -8,7 +8,7 @@
 
 from .engine import StandardizedVLLM, load, shutdown
 from .envoys import Attention, FusedLayer, Layer, Mlp, StandardEnvoy
-from .errors import DECODE_STEP, GATED, ROUTED, InvalidWrite, ReadOnly, Unavailable, UnknownArchitecture
+from .errors import DECODE_STEP, GATED, ROUTED, InvalidWrite, ReadOnly, SkipRefused, Unavailable, UnknownArchitecture
 from .family import Architecture, Family, InstalledFamily, families
 from .support import Support, support
 from .values import Derived, Flat, Heads, Neurons, Pattern, Residual, argument, batched, summed, summed_output, unbatched, with_argument
@@ -33,6 +33,7 @@ __all__ = [
     "Pattern",
     "ReadOnly",
     "Residual",
+    "SkipRefused",
     "StandardEnvoy",
     "StandardizedVLLM",
     "Support",

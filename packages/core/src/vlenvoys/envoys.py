@@ -7,13 +7,15 @@ Every value is a private ``[1, tokens, ...]`` copy (see `vlenvoys.values`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import ClassVar
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
 
+import torch
 from nnsight.intervention.envoy import Envoy
+from nnsight.intervention.interleaver import Mediator
 
 from .attention import on_decode_step, scores
-from .errors import GATED, ROUTED
+from .errors import GATED, ROUTED, InvalidWrite, SkipRefused
 from .values import Derived, Flat, Heads, Neurons, Pattern, Residual, Slot, summed, summed_output
 
 _PATTERN_READ_ONLY = (
@@ -48,8 +50,9 @@ class Layer(StandardEnvoy):
     - ``STREAM``: where the stream sits in the block's call, ``(position,
       keyword)``; most blocks take the positions first, GPT-2's takes the
       stream alone (``(0, "hidden_states")``).
-    - ``OUTPUT``: which element of a tuple the block returns is the stream
-      (a block returning ``(stream, other)`` keeps the default 0).
+    - ``RETURNS_TUPLE``: whether the block returns the stream with
+      something beside it (EXAONE 4's ``(stream, mid)``), and ``OUTPUT``
+      which element is the stream.
     - ``ATTENTION_NORM`` / ``MLP_NORM``: the child names of the norms before
       the attention and the MLP.
     - ``MID`` / ``MID_SELECT``: where the stream after the attention add is
@@ -58,6 +61,7 @@ class Layer(StandardEnvoy):
     """
 
     STREAM: ClassVar[Slot] = (1, "hidden_states")
+    RETURNS_TUPLE: ClassVar[bool] = False
     OUTPUT: ClassVar[int] = 0
     ATTENTION_NORM: ClassVar[str] = "input_layernorm"
     MLP_NORM: ClassVar[str] = "post_attention_layernorm"
@@ -97,6 +101,43 @@ class Layer(StandardEnvoy):
                 "is held; read layer_input + attention_output"
             )
         return super().unavailable(value)
+
+    def skip(self, hidden: torch.Tensor) -> None:
+        """Skip this block, handing ``hidden`` (``[1, tokens, hidden_size]``) on as its residual stream.
+
+        Safe on a request that runs alone. vLLM batches every request in flight
+        into one step and a skipped block would have to answer for all of
+        them, so a step shared with other requests is refused.
+
+        Raises:
+            SkipRefused: other requests share this step.
+            InvalidWrite: ``hidden`` is not ``[1, tokens, hidden_size]`` for this request.
+        """
+        _skip(self, hidden, self._skipped)
+
+    def _skipped(self, stream: torch.Tensor) -> Any:
+        # What the block would return: the stream, or the stream beside itself
+        # (a skipped block's mid-layer stream is its input).
+        return (stream, stream) if self.RETURNS_TUPLE else stream
+
+
+def _skip(layer: Layer, hidden: torch.Tensor, output: Callable[[torch.Tensor], Any]) -> None:
+    """Skip ``layer`` for this request, handing ``output(rows)`` on as what it returned."""
+    # Wait for the block to be reached: only then is this step's batch known.
+    Mediator.value(f"{layer.path}.input")
+    mediator = Mediator.current(f"{layer.path}.skip")
+    _, rows = mediator.batch_group
+    total = mediator.interleaver.batcher.total
+    if rows != total:
+        raise SkipRefused(
+            f"cannot skip {layer.path}: this step runs {total} tokens of which {rows} are this request's. "
+            "vLLM runs the block once for every request in the step, and a skipped block would have to answer "
+            "for all of them; skip it in a trace whose request runs alone (one invoke, nothing else in flight)"
+        )
+    if not isinstance(hidden, torch.Tensor) or hidden.ndim != 3 or tuple(hidden.shape[:2]) != (1, rows):
+        shape = list(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
+        raise InvalidWrite(f"skip: expected the stream as [1, {rows}, hidden_size], got {shape}")
+    Envoy.skip(layer, output(hidden[0]))
 
 
 class FusedLayer(Layer):
@@ -138,6 +179,10 @@ class FusedLayer(Layer):
     @classmethod
     def unavailable(cls, value: str) -> str | None:
         return cls.UNAVAILABLE.get(value)
+
+    def _skipped(self, stream: torch.Tensor) -> Any:
+        # The next norm adds the two halves: an empty hidden half and the stream as residual.
+        return (torch.zeros_like(stream), stream)
 
 
 class Attention(StandardEnvoy):

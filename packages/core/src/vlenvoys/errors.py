@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["DECODE_STEP", "GATED", "ROUTED", "InvalidWrite", "ReadOnly", "UnknownArchitecture", "Unavailable"]
+__all__ = ["DECODE_STEP", "GATED", "ROUTED", "InvalidWrite", "ReadOnly", "SkipRefused", "UnknownArchitecture", "Unavailable"]
 
 #: Scores and patterns are recomputed from one step's queries and keys; on a decode step the
 #: earlier keys are in vLLM's KV cache, which only its kernel reads.
@@ -56,12 +56,11 @@ def reraise(error: RuntimeError) -> None:
     text = str(error)
     name, _, rest = text.partition(": ")
     message = rest.split("\n\nIntervention traceback:")[0]
-    if name == "InvalidWrite":
-        raise InvalidWrite(message) from error
     if name == "Unavailable":
         raise Unavailable.from_message(message) from error
-    if name == "ReadOnly":
-        raise ReadOnly(message) from error
+    simple = {cls.__name__: cls for cls in (InvalidWrite, ReadOnly, SkipRefused)}
+    if name in simple:
+        raise simple[name](message) from error
 
 
 class InvalidWrite(ValueError):
@@ -74,6 +73,15 @@ class InvalidWrite(ValueError):
 
 class ReadOnly(TypeError):
     """A value that is computed for reading and cannot be written (the attention pattern)."""
+
+
+class SkipRefused(RuntimeError):
+    """A block skip refused because other requests share the engine step.
+
+    vLLM runs every request in flight through a block as one batch; a skipped
+    block would have to answer for all of them, and the requests that did not
+    ask for it would get wrong values or end the engine.
+    """
 
 
 class UnknownArchitecture(LookupError):

@@ -1,0 +1,260 @@
+"""Shared-engine safety: isolation between requests, decode steps, faults, skips, caches, a soak.
+
+vLLM batches every request in flight into one step. On its CPU engine a
+request's values are bit-identical alone and batched (measured), so
+isolation is checked with exact equality.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import psutil
+import pytest
+import torch
+from conftest import record
+
+import vlenvoys
+from vlenvoys import oracle, testing
+
+SAFETY_MODELS = ["LlamaForCausalLM", "SmolLM2"]
+on_safety_models = pytest.mark.parametrize("subject", SAFETY_MODELS, indirect=True)
+
+
+def prompts_of_eight_lengths(subject) -> list[list[int]]:
+    longest = max(subject.prompts, key=len)
+    lengths = sorted({max(2, len(longest) * k // 8) for k in range(1, 9)})
+    while len(lengths) < 8:
+        lengths.append(lengths[-1] + 1)
+    return [(longest * 2)[:length] for length in lengths]
+
+
+def run(model, prompts, edit_first=None, layer=1):
+    """One invoke per prompt in one trace; each saves its layer-``layer`` stream and logits."""
+    with model.trace(temperature=0.0) as tracer:
+        results = dict().save()
+        for number, prompt in enumerate(prompts):
+            with tracer.invoke(prompt):
+                if number == 0 and edit_first is not None:
+                    edit_first(model)
+                stream = model.layers[layer].layer_output.save()
+                results[number] = (stream, model.logits.save())
+    return [results[number] for number in range(len(prompts))]
+
+
+@on_safety_models
+def test_isolation_of_eight_requests(subject):
+    model = subject.model
+    prompts = prompts_of_eight_lengths(subject)
+    alone = [run(model, [prompt])[0] for prompt in prompts]
+    together = run(model, prompts)
+    for number, ((stream, logits), (stream_alone, logits_alone)) in enumerate(zip(together, alone)):
+        assert stream.shape == (1, len(prompts[number]), stream.shape[-1])
+        assert torch.equal(stream, stream_alone), number
+        assert torch.equal(logits, logits_alone), number
+
+    def edit(model):
+        model.layers[0].layer_mid[:] += 3.0
+
+    edited = run(model, prompts, edit_first=edit)
+    assert not torch.equal(edited[0][1], alone[0][1]), "the edit must change its own request"
+    for number in range(1, len(prompts)):
+        assert torch.equal(edited[number][0], alone[number][0]), number
+        assert torch.equal(edited[number][1], alone[number][1]), number
+
+
+@on_safety_models
+def test_decode_step_values_equal_transformers_fed_the_generated_tokens(subject):
+    model = subject.model
+    prompt, steps, layer = subject.prompts[1], 4, 1
+    with model.trace(prompt, temperature=0.0, max_tokens=steps) as tracer:
+        streams, tokens = list().save(), list().save()
+        for _ in tracer.iter[0:steps]:
+            streams.append(model.layers[layer].layer_output)
+            tokens.append(model.samples)
+    generated = [int(token.reshape(-1)[0]) for token in tokens]
+    expected = oracle.reference(subject.reference, prompt + generated[:-1])
+    want = expected["values"]["layer_output"][layer]
+    assert streams[0].shape[1] == len(prompt)
+    for step in range(1, steps):
+        assert streams[step].shape == (1, 1, want.shape[-1])
+        position = len(prompt) + step - 1
+        got, reference = streams[step][0, 0], want[0, position]
+        difference = (got - reference).abs().max().item()
+        record(subject.name, "decode-step layer_output", difference)
+        assert difference <= 1e-4 * max(1.0, reference.abs().max().item())
+
+
+@on_safety_models
+def test_an_edit_on_step_three_changes_only_what_follows(subject):
+    model = subject.model
+    prompt, steps = subject.prompts[1], 5
+    vector = torch.zeros(subject.reference.config.hidden_size)
+    vector[:8] = 50.0
+
+    def generate(edit_step=None):
+        with model.trace(prompt, temperature=0.0, max_tokens=steps) as tracer:
+            logits = list().save()
+            for step in tracer.iter[0:steps]:
+                if step == edit_step:
+                    model.layers[1].layer_output[:, -1] += vector
+                logits.append(model.logits)
+        return logits
+
+    plain, edited = generate(), generate(edit_step=3)
+    for step in range(3):
+        assert torch.equal(plain[step], edited[step]), step
+    assert not torch.equal(plain[3], edited[3])
+
+
+FAULTS = {
+    "token count": lambda model, hidden: setattr(model.layers[1], "layer_output", torch.zeros(1, 99, hidden)),
+    "hidden size": lambda model, hidden: setattr(model.layers[1], "layer_output", torch.zeros(1, 3, hidden + 1)),
+    "dtype": lambda model, hidden: setattr(model.layers[1], "layer_mid", model.layers[1].layer_mid.half()),
+    "device": lambda model, hidden: setattr(model.layers[1], "layer_mid", torch.zeros(1, 3, hidden, device="meta")),
+    "exception in the block": lambda model, hidden: (model.layers[1].layer_output.save(), 1 / 0),
+    "unavailable value": lambda model, hidden: model.layers[1].mlp.mlp_activation.save(),
+}
+RAISED = {
+    "token count": (vlenvoys.InvalidWrite, r"layer_output: expected shape \[1, 3, "),
+    "hidden size": (vlenvoys.InvalidWrite, r"layer_output: expected shape \[1, 3, "),
+    "dtype": (vlenvoys.InvalidWrite, "layer_mid: expected dtype torch.float32, got torch.float16"),
+    "device": (vlenvoys.InvalidWrite, "layer_mid: expected a tensor on cpu, got one on meta"),
+    "exception in the block": (RuntimeError, "ZeroDivisionError"),
+    "unavailable value": (vlenvoys.Unavailable, "mlp_activation is unavailable"),
+}
+
+
+@pytest.mark.parametrize("subject", ["LlamaForCausalLM"], indirect=True)
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_a_faulty_request_ends_alone(subject, fault):
+    """The faulty request raises in its own block; its neighbour in the step completes unchanged."""
+    model, hidden = subject.model, subject.reference.config.hidden_size
+    neighbour, faulty = subject.prompts[3], subject.prompts[0][:3]
+    (_, alone), = run(model, [neighbour])
+    error, message = RAISED[fault]
+    good = None
+    with pytest.raises(error, match=message):
+        with model.trace(temperature=0.0) as tracer:
+            with tracer.invoke(neighbour):
+                good = model.logits.save()
+            with tracer.invoke(faulty):
+                FAULTS[fault](model, hidden)
+    assert good is not None and torch.equal(good, alone)
+    (_, again), = run(model, [neighbour])
+    assert torch.equal(again, alone), "the engine must go on serving"
+
+
+@on_safety_models
+def test_skip_alone_equals_transformers_with_the_block_skipped(subject):
+    model, prompt, skipped = subject.model, subject.prompts[2], 1
+    with model.trace(prompt, temperature=0.0):
+        model.layers[skipped].skip(model.layers[skipped].layer_input)
+        logits = model.logits.save()
+
+    inputs = {}
+    block = subject.reference.model.layers[skipped]
+    handles = [
+        block.register_forward_pre_hook(lambda module, args, kwargs: inputs.update(stream=args[0] if args else kwargs["hidden_states"]), with_kwargs=True),
+        block.register_forward_hook(lambda module, args, output: inputs["stream"]),
+    ]
+    try:
+        want = oracle.edited_logits(subject.reference, prompt)
+    finally:
+        for handle in handles:
+            handle.remove()
+    difference = (logits.reshape(-1) - want).abs().max().item()
+    record(subject.name, "skip block 1", difference)
+    assert difference <= 1e-4 * max(1.0, want.abs().max().item())
+    assert not torch.equal(logits.reshape(-1), oracle.edited_logits(subject.reference, prompt))
+
+
+@on_safety_models
+def test_skip_on_a_shared_step_is_refused(subject):
+    """The first request decodes while the second is prefilled in the same step: its skip is refused."""
+    model = subject.model
+    (_, alone), = run(model, [subject.prompts[3]])
+    with pytest.raises(vlenvoys.SkipRefused, match="other requests|this request's"):
+        with model.trace(temperature=0.0) as tracer:
+            with tracer.invoke(subject.prompts[3], max_tokens=3):
+                first = model.logits.save()
+            with tracer.invoke(subject.prompts[1]):
+                model.layers[1].skip(model.layers[1].layer_input)
+    assert torch.equal(first, alone)
+
+
+@pytest.fixture(scope="module")
+def caching_engine(tmp_path_factory):
+    """A tiny Llama engine with prefix caching and chunked prefill (16-token steps) turned on."""
+    path = testing.tiny_model("LlamaForCausalLM", tmp_path_factory.mktemp("caching"))
+    with oracle.engine(
+        str(path), enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=16
+    ) as model:
+        yield model
+
+
+def test_prefix_cache_never_serves_short_values(caching_engine):
+    prompt = testing.PROMPTS  # any: repeated, so the second run could be served from the cache
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(caching_engine.args[0])(prompt[1])["input_ids"]
+    first = run(caching_engine, [ids])[0]
+    second = run(caching_engine, [ids])[0]
+    assert first[0].shape[1] == second[0].shape[1] == len(ids)
+    assert torch.equal(first[0], second[0])
+
+
+def test_chunked_prefill_is_refused_not_short(caching_engine):
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(caching_engine.args[0])(testing.PROMPTS[3])["input_ids"]
+    assert len(ids) > 16
+    with pytest.raises(RuntimeError, match="chunk"):
+        run(caching_engine, [ids])
+
+
+def _memory() -> tuple[float, float]:
+    """Resident memory in MiB of this process and of its engine processes."""
+    me = psutil.Process(os.getpid())
+    engine = sum(child.memory_info().rss for child in me.children(recursive=True))
+    return me.memory_info().rss / 2**20, engine / 2**20
+
+
+@pytest.mark.parametrize("subject", ["LlamaForCausalLM"], indirect=True)
+def test_soak_three_hundred_requests(subject):
+    """300 traced requests in a row: reads, edits, faulty writes; every result checked.
+
+    A request whose saves leaked into another's would not equal its own baseline.
+    """
+    model = subject.model
+    prompts = subject.prompts
+    baseline = [run(model, [prompt])[0] for prompt in prompts]
+
+    def edit(model):
+        model.layers[1].mlp.mlp_output[:] = 0
+
+    edited = [run(model, [prompt], edit_first=edit)[0][1] for prompt in prompts]
+    samples = []
+    for request in range(300):
+        index = request % len(prompts)
+        prompt = prompts[index]
+        kind = request % 10
+        if kind == 9:
+            with pytest.raises(vlenvoys.InvalidWrite):
+                run(model, [prompt], edit_first=lambda m: setattr(m.layers[1], "layer_output", torch.zeros(1, 1, 1)))
+        elif kind % 2:
+            (_, logits), = run(model, [prompt], edit_first=edit)
+            assert torch.equal(logits, edited[index]), request
+        else:
+            with model.trace(prompt, temperature=0.0):
+                stream = model.layers[1].layer_output.save()
+                logits = model.logits.save()
+            assert torch.equal(stream, baseline[index][0]) and torch.equal(logits, baseline[index][1]), request
+        if request in (50, 299):
+            samples.append(_memory())
+    (client_early, engine_early), (client_late, engine_late) = samples
+    record(subject.name, "soak client RSS growth MiB (req 50->300)", client_late - client_early)
+    record(subject.name, "soak engine RSS growth MiB (req 50->300)", engine_late - engine_early)
+    assert client_late - client_early < 100
+    assert engine_late - engine_early < 100
