@@ -13,10 +13,10 @@ import os
 import psutil
 import pytest
 import torch
-from conftest import record
 
 import vlenvoys
 from vlenvoys import oracle, testing
+from vlenvoys.conformance import record
 
 SAFETY_MODELS = ["LlamaForCausalLM", "SmolLM2"]
 on_safety_models = pytest.mark.parametrize("subject", SAFETY_MODELS, indirect=True)
@@ -74,7 +74,7 @@ def test_decode_step_values_equal_transformers_fed_the_generated_tokens(subject)
             streams.append(model.layers[layer].layer_output)
             tokens.append(model.samples)
     generated = [int(token.reshape(-1)[0]) for token in tokens]
-    expected = oracle.reference(subject.reference, prompt + generated[:-1])
+    expected = oracle.reference(subject.reference, prompt + generated[:-1], subject.layout)
     want = expected["values"]["layer_output"][layer]
     assert streams[0].shape[1] == len(prompt)
     for step in range(1, steps):
@@ -90,7 +90,7 @@ def test_decode_step_values_equal_transformers_fed_the_generated_tokens(subject)
 def test_an_edit_on_step_three_changes_only_what_follows(subject):
     model = subject.model
     prompt, steps = subject.prompts[1], 5
-    vector = torch.zeros(subject.reference.config.hidden_size)
+    vector = torch.zeros(subject.hidden_size)
     vector[:8] = 50.0
 
     def generate(edit_step=None):
@@ -130,7 +130,7 @@ RAISED = {
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_a_faulty_request_ends_alone(subject, fault):
     """The faulty request raises in its own block; its neighbour in the step completes unchanged."""
-    model, hidden = subject.model, subject.reference.config.hidden_size
+    model, hidden = subject.model, subject.hidden_size
     neighbour, faulty = subject.prompts[3], subject.prompts[0][:3]
     (_, alone), = run(model, [neighbour])
     error, message = RAISED[fault]
@@ -154,20 +154,20 @@ def test_skip_alone_equals_transformers_with_the_block_skipped(subject):
         logits = model.logits.save()
 
     inputs = {}
-    block = subject.reference.model.layers[skipped]
+    block = subject.block(skipped)
     handles = [
         block.register_forward_pre_hook(lambda module, args, kwargs: inputs.update(stream=args[0] if args else kwargs["hidden_states"]), with_kwargs=True),
         block.register_forward_hook(lambda module, args, output: inputs["stream"]),
     ]
     try:
-        want = oracle.edited_logits(subject.reference, prompt)
+        want = oracle.edited_logits(subject.reference, prompt, layout=subject.layout)
     finally:
         for handle in handles:
             handle.remove()
     difference = (logits.reshape(-1) - want).abs().max().item()
     record(subject.name, "skip block 1", difference)
     assert difference <= 1e-4 * max(1.0, want.abs().max().item())
-    assert not torch.equal(logits.reshape(-1), oracle.edited_logits(subject.reference, prompt))
+    assert not torch.equal(logits.reshape(-1), oracle.edited_logits(subject.reference, prompt, layout=subject.layout))
 
 
 @on_safety_models

@@ -80,15 +80,25 @@ class StandardizedVLLM(VLLM):
     def project_on_vocab(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of a residual stream, ``[..., hidden_size]`` -> ``[..., vocab_size]``.
 
-        Applies the model's final norm and its unembedding matrix, as the model
-        does after its last block; works inside a trace, where vLLM's LM head
-        cannot be called as a module.
+        Applies what the model applies after its last block: the final norm,
+        the unembedding matrix (``lm_head``, the embedding matrix where the two
+        are one module), and the logits processor's scale and soft cap
+        (Gemma 2's final soft cap, Granite's logits scaling). Works inside a
+        trace, where vLLM's LM head cannot be called as a module.
         """
         shape = hidden.shape
         normed = self.ln_final(hidden.reshape(-1, shape[-1]))
         if isinstance(normed, tuple):
             normed = normed[0]
         logits = normed @ self.lm_head.weight.T
+        # In vLLM's LogitsProcessor order: soft cap, then scale.
+        processor = getattr(self._module, "logits_processor", None)
+        cap = getattr(processor, "soft_cap", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        scale = float(getattr(processor, "scale", 1.0) or 1.0)
+        if scale != 1.0:
+            logits = logits * scale
         return logits.reshape(*shape[:-1], logits.shape[-1])
 
 

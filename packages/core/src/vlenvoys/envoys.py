@@ -23,7 +23,7 @@ _PATTERN_READ_ONLY = (
     "to change what a head attends to, or attention_head_outputs to change what it wrote"
 )
 
-__all__ = ["Attention", "FusedLayer", "Layer", "Mlp", "StandardEnvoy"]
+__all__ = ["Attention", "Contributing", "FusedLayer", "Layer", "Mlp", "StandardEnvoy"]
 
 
 class StandardEnvoy(Envoy):
@@ -185,7 +185,30 @@ class FusedLayer(Layer):
         return (torch.zeros_like(stream), stream)
 
 
-class Attention(StandardEnvoy):
+class Contributing(StandardEnvoy):
+    """A sublayer whose contribution to the residual stream is a standard value.
+
+    Declarations: ``CONTRIBUTION``, where the contribution is read: the
+    module's ``"output"`` by default, or a sibling's where a norm follows the
+    sublayer (``"../post_attention_layernorm.output"``, Gemma 2); and
+    ``MULTIPLIER``, the name of an attribute of the block module by which the
+    block scales the sublayer's output before adding it (Granite's
+    ``residual_multiplier``), None when it adds it as it is. A written
+    contribution is divided back by the multiplier.
+    """
+
+    CONTRIBUTION: ClassVar[str] = "output"
+    MULTIPLIER: ClassVar[str | None] = None
+
+    @property
+    def contribution_factor(self) -> float:
+        """The block's multiplier of this sublayer's output (1 where there is none)."""
+        if self.MULTIPLIER is None:
+            return 1.0
+        return float(getattr(self.parent._module, self.MULTIPLIER))
+
+
+class Attention(Contributing):
     """A vLLM attention module: its contribution, what goes into and comes out of the engine's attention layer, and the pattern.
 
     The module projects (and, on a rotary family, rotates and norms) its
@@ -203,7 +226,8 @@ class Attention(StandardEnvoy):
     `Unavailable` (``DECODE_STEP``).
 
     Declarations: ``KERNEL``, the attention layer's child name; ``OUT_PROJ``,
-    the output projection's.
+    the output projection's; ``CONTRIBUTION`` and ``MULTIPLIER``, see
+    `Contributing`.
     """
 
     KERNEL: ClassVar[str] = "attn"
@@ -249,13 +273,13 @@ class Attention(StandardEnvoy):
         """The output projection's input split by head, [1, tokens, heads, head_dim]; the head outputs where no gate sits between."""
         return value
 
-    @Flat("output")
+    @Flat("{CONTRIBUTION}", factor="contribution_factor")
     def attention_output(self, value) -> Residual:
-        """What the attention adds to the residual stream, [1, tokens, hidden_size]: the module's output."""
+        """What the attention adds to the residual stream, [1, tokens, hidden_size]: its output, after any post-norm and multiplier."""
         return value
 
 
-class Mlp(StandardEnvoy):
+class Mlp(Contributing):
     """A vLLM feed-forward module: its neurons and what it adds to the residual stream.
 
     The neurons are the down projection's input, as on transformers. On a
@@ -269,8 +293,9 @@ class Mlp(StandardEnvoy):
     ``mlp_neurons`` is that kernel's output. A mixture of experts has neither
     (``ROUTED``); its ``mlp_output`` is served.
 
-    Declarations: ``KIND`` (``"plain"``, ``"gated"`` or ``"routed"``) and
-    ``DOWN``, the down projection's child name.
+    Declarations: ``KIND`` (``"plain"``, ``"gated"`` or ``"routed"``),
+    ``DOWN``, the down projection's child name, and ``CONTRIBUTION`` /
+    ``MULTIPLIER`` (see `Contributing`).
     """
 
     KIND: ClassVar[str] = "gated"
@@ -294,7 +319,7 @@ class Mlp(StandardEnvoy):
             return GATED
         return super().unavailable(value)
 
-    @Flat("output")
+    @Flat("{CONTRIBUTION}", factor="contribution_factor")
     def mlp_output(self, value) -> Residual:
-        """What the MLP adds to the residual stream, [1, tokens, hidden_size]: the module's output."""
+        """What the MLP adds to the residual stream, [1, tokens, hidden_size]: its output, after any post-norm and multiplier."""
         return value

@@ -132,7 +132,11 @@ class Located(eproperty):
     """An eproperty whose location key is filled from the envoy's declarations,
     and which can refuse, by name, a value the model cannot serve.
 
-    ``{NAME}`` parts of the key are the envoy's class attributes; the envoy's
+    ``{NAME}`` parts of the key are the envoy's class attributes; a key
+    starting with ``../`` is relative to the envoy's parent (a sibling
+    module's input or output); a key starting with ``source.`` is an
+    operation inside the module's forward (nnsight's ``.source``), where a
+    value has no module boundary of its own. The envoy's
     ``unavailable(name)`` (static reasons) and ``dynamic`` (a callable of the
     envoy and the location, for reasons that depend on the step a read would
     be served) are asked before anything is read.
@@ -161,9 +165,17 @@ class Located(eproperty):
         hint = getattr(self._stub, "__annotations__", {}).get("return")
         return str(getattr(hint, "__name__", hint))
 
+    def located_key(self, obj: Any) -> str:
+        """The key with the envoy's declarations filled in."""
+        return self.key.format_map(_Declarations(obj)) if "{" in self.key else self.key
+
     def _location(self, obj: Any) -> str:
-        key = self.key.format_map(_Declarations(obj)) if "{" in self.key else self.key
-        return f"{obj.path}.{key}"
+        key, path = self.located_key(obj), obj.path
+        # "../x" is a sibling's location: a sublayer's contribution read at the
+        # block's post-sublayer norm (Gemma 2, EXAONE 4).
+        while key.startswith("../"):
+            key, path = key[3:], path.rsplit(".", 1)[0]
+        return f"{path}.{key}"
 
     def _check_available(self, obj: Any) -> None:
         reason = getattr(obj, "unavailable", _nothing)(self.name)

@@ -5,11 +5,11 @@ Every block here is a `vlenvoys.FusedLayer` with vLLM's Llama names
 so the declarations are the architecture names and the standard renames.
 """
 
-from vlenvoys import Architecture, Family, FusedLayer, Mlp
+from vlenvoys import Architecture, Attention, Family, FusedLayer, Layer, Mlp
 
 from .version import __version__
 
-__all__ = ["FAMILY", "LlamaLayer", "RoutedMlp", "__version__"]
+__all__ = ["FAMILY", "GraniteAttention", "GraniteLayer", "GraniteMlp", "LlamaLayer", "RoutedMlp", "__version__"]
 
 #: vLLM's backbone is ``model.model``; nnterp's names sit on the root.
 RENAME = {"model.layers": "layers", "model.norm": "ln_final", "model.embed_tokens": "embed_tokens"}
@@ -25,7 +25,28 @@ class RoutedMlp(Mlp):
     KIND = "routed"
 
 
+class GraniteLayer(Layer):
+    """``GraniteDecoderLayer.forward(positions, hidden_states) -> hidden_states``: the whole stream,
+    each sublayer's output added times ``residual_multiplier``."""
+
+    # No module boundary holds the stream after the attention add: it is the forward's
+    # `hidden_states = residual + hidden_states * self.residual_multiplier`.
+    MID = "source.hidden_states_2.output"
+
+
+class GraniteAttention(Attention):
+    MULTIPLIER = "residual_multiplier"
+
+
+class GraniteMlp(Mlp):
+    MULTIPLIER = "residual_multiplier"
+
+
 LLAMA = Architecture(layer=LlamaLayer, rename=RENAME)
+# Granite's embedding multiplier is applied before block 0 (token_embeddings is
+# block 0's input), its attention scale is the kernel's, and its logits scaling
+# is the logits processor's: all read where vLLM keeps them, no declaration needed.
+GRANITE = Architecture(layer=GraniteLayer, attention=GraniteAttention, mlp=GraniteMlp, rename=RENAME)
 # Every block of the tiny test configs is sparse; a Qwen2-MoE checkpoint with dense
 # blocks (mlp_only_layers) would need those declared gated.
 QWEN2_MOE = Architecture(layer=LlamaLayer, mlp=RoutedMlp, rename=RENAME)
@@ -43,5 +64,6 @@ FAMILY = Family(
         "Qwen3ForCausalLM": LLAMA,
         "Qwen2MoeForCausalLM": QWEN2_MOE,
         "MixtralForCausalLM": MIXTRAL,
+        "GraniteForCausalLM": GRANITE,
     },
 )

@@ -13,6 +13,28 @@ from __future__ import annotations
 from typing import Any
 
 
+def instrument_sources(model: Any) -> None:
+    """Source-instrument every block whose values are read at operations inside its forward.
+
+    A value with no module boundary (GPT-2's stream after the attention add)
+    is an operation of the block's forward; nnsight serves those once the
+    module's forward is rewritten, which is done here, once, where the model
+    runs.
+    """
+    from nnsight.intervention.source import install_source
+
+    from ..envoys import StandardEnvoy
+    from ..support import values_of
+
+    for envoy in model.modules():
+        if not isinstance(envoy, StandardEnvoy):
+            continue
+        for name, value in values_of(type(envoy)):
+            if envoy.unavailable(name) is None and value.located_key(envoy).startswith("source."):
+                install_source(envoy)
+                break
+
+
 class StandardRunner:
     """Mixin for nnsight's runner: rebuilds its envoy tree with the model's family declarations."""
 
@@ -29,5 +51,6 @@ class StandardRunner:
         interleaver.envoys.clear()
         model = StandardizedVLLM(self.get_model(), interleaver=interleaver, architecture=architecture)
         model.tokenizer = plain.tokenizer
+        instrument_sources(model)
         self.nnsight_model = model
         self.nnsight_persistent_objects = model._remoteable_persistent_objects()

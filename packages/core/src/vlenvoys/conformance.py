@@ -1,0 +1,557 @@
+"""The oracle suite every family package runs against transformers.
+
+A family's tests import this module's tests (``from vlenvoys.conformance
+import *``) and define a session-scoped ``subject`` fixture with
+`subject_fixture`: one vLLM engine per model, beside the transformers model
+with the same weights. The suite compares every value of every layer on
+several prompts (and two prompts in one trace), checks the stream
+identities, and makes the same edits on both engines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+import vlenvoys
+from vlenvoys import oracle, testing, weights
+from vlenvoys.oracle import VALUES, HFLayout, edited_logits
+
+#: The oracle's bound: |vLLM - transformers| <= 1e-4, relative to each token's own
+#: stream magnitude where that exceeds 1. On the tiny models (magnitudes of a few
+#: units) that is 1e-4 absolute. SmolLM2's first-token stream reaches ~22,500
+#: (float32's spacing there is 0.002) and rounding grows through 30 layers to
+#: ~1.6e-5 of a token's magnitude; an absolute 1e-4 is below float32 there.
+TOLERANCE = 1e-4
+
+
+#: The largest difference to transformers seen per model and value, for the summary.
+DIFFERENCES: dict[tuple[str, str], float] = {}
+
+
+def record(model: str, value: str, difference: float) -> None:
+    """Keep the largest ``difference`` seen for ``(model, value)``."""
+    DIFFERENCES[(model, value)] = max(difference, DIFFERENCES.get((model, value), 0.0))
+
+
+def summary(terminalreporter) -> None:
+    """Print the differences; call it from a conftest's ``pytest_terminal_summary``."""
+    if not DIFFERENCES:
+        return
+    terminalreporter.section("largest |vLLM - transformers| (float32)")
+    for (model, value), difference in sorted(DIFFERENCES.items()):
+        terminalreporter.write_line(f"{model:28s} {value:42s} {difference:.3g}")
+
+
+@dataclass
+class Subject:
+    """A model served by vLLM and the same weights on transformers."""
+
+    name: str
+    model: object
+    reference: torch.nn.Module
+    prompts: list[list[int]]
+    layout: HFLayout
+    cache: dict = field(default_factory=dict)
+
+    def expected(self, index: int) -> dict:
+        """transformers' values for prompt ``index``, computed once."""
+        if index not in self.cache:
+            self.cache[index] = oracle.reference(self.reference, self.prompts[index], self.layout)
+        return self.cache[index]
+
+    @property
+    def routed(self) -> bool:
+        """Whether the model's MLPs are mixtures of experts."""
+        return self.mlp_kind == "routed"
+
+    @property
+    def hidden_size(self) -> int:
+        return self.reference.config.hidden_size
+
+    @property
+    def heads(self) -> tuple[int, int]:
+        """(query heads, key/value heads)."""
+        config = self.reference.config
+        return config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of block ``layer`` per the transformers config, None for full attention."""
+        config = self.reference.config
+        if not getattr(config, "use_sliding_window", True):
+            return None
+        types = getattr(config, "layer_types", None)
+        if types is not None and types[layer] != "sliding_attention":
+            return None
+        return getattr(config, "sliding_window", None)
+
+    @property
+    def mlp_kind(self) -> str:
+        return self.model.architecture.mlp.KIND
+
+    def place(self, value: str) -> str:
+        """The transformers module path (under a block) where ``value`` is read."""
+        return self.layout.places[value][0]
+
+    def block(self, index: int) -> torch.nn.Module:
+        return self.layout.blocks(self.reference)[index]
+
+
+#: Prompts for the real model (the tiny models use `vlenvoys.testing.PROMPTS`).
+REAL_PROMPTS = (
+    "The Eiffel Tower is located in the city of",
+    "def fibonacci(n):",
+    "Once upon a time, a small fox found a golden key under the old oak tree and",
+    "Water boils at",
+)
+
+
+def subject_fixture(models: dict[str, tuple[str | None, dict]], layout: HFLayout = oracle.LLAMA_LAYOUT) -> Callable:
+    """A session-scoped, parametrized ``subject`` fixture over ``models``.
+
+    ``models`` maps a test name to ``(architecture, config overrides)`` for
+    `vlenvoys.testing.tiny_model`, or to ``(None, {})`` for the built-in
+    SmolLM2. One engine runs at a time; pytest groups the tests by model.
+    """
+
+    @pytest.fixture(scope="session", params=list(models))
+    def subject(request, tmp_path_factory):
+        from transformers import AutoTokenizer
+
+        name = request.param
+        architecture, overrides = models[name]
+        if architecture is None:
+            path, texts = weights.smollm2_path(), REAL_PROMPTS
+        else:
+            path = testing.tiny_model(architecture, tmp_path_factory.mktemp(name), **overrides)
+            texts = testing.PROMPTS
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        prompts = [tokenizer(text)["input_ids"] for text in texts]
+        reference = oracle.load_reference(path)
+        with oracle.engine(str(path)) as model:
+            yield Subject(name, model, reference, prompts, layout)
+
+    return subject
+
+
+def logits_of(model, prompt, edit=None) -> torch.Tensor:
+    """The last token's logits ``[vocab]`` of one traced request, with ``edit(model)`` applied in its block."""
+    with model.trace(prompt, temperature=0.0):
+        if edit is not None:
+            edit(model)
+        logits = model.logits.save()
+    return logits.reshape(-1)
+
+
+def check_edit(subject, label: str, got: torch.Tensor, want: torch.Tensor, baseline: torch.Tensor) -> None:
+    """The same edit on both engines gives the same logits, and it changed something."""
+    difference = (got - want).abs().max().item()
+    record(subject.name, f"edit: {label}", difference)
+    assert difference <= TOLERANCE * max(1.0, want.abs().max().item())
+    assert (got - baseline).abs().max() > 1e-4, "the edit changed nothing, so the comparison proves nothing"
+
+
+def close(subject, label: str, got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Record the largest difference and say whether it is within the oracle's tolerance."""
+    difference = (got - want).abs()
+    scale = want.abs().amax(-1, keepdim=True).clamp(min=1.0)
+    record(subject.name, label, difference.max().item())
+    return bool((difference / scale).max() <= TOLERANCE)
+
+
+PATTERN_TOLERANCE = 1e-5
+
+
+def served(model) -> list[tuple[str, str]]:
+    """The (owner, value) pairs this model serves, in forward order."""
+    support = vlenvoys.support(model)
+    kinds = {"layer": "layer", "self_attn": "attention", "mlp": "mlp"}
+    return [(owner, name) for owner, name in VALUES if support[kinds[owner], name].available]
+
+
+def read_all(model, prompts: list[list[int]]) -> list[dict]:
+    """Every value of every block for each prompt, one invoke per prompt, in one trace."""
+    values = served(model)
+    with model.trace(temperature=0.0, max_tokens=1) as tracer:
+        results = dict().save()
+        for number, prompt in enumerate(prompts):
+            with tracer.invoke(prompt):
+                saved = {"token_embeddings": model.token_embeddings.save()}
+                for index, layer in enumerate(model.layers):
+                    for owner, name in values:
+                        envoy = layer if owner == "layer" else getattr(layer, owner)
+                        saved[(name, index)] = getattr(envoy, name).save()
+                saved["logits"] = model.logits.save()
+                results[number] = saved
+    return [results[number] for number in range(len(prompts))]
+
+
+def compare(subject, saved: dict, index: int) -> None:
+    expected = subject.expected(index)
+    layers = len(expected["values"]["layer_input"])
+    tokens = len(subject.prompts[index])
+    embeddings = saved["token_embeddings"]
+    assert embeddings.shape == (1, tokens, expected["values"]["layer_input"][0].shape[-1])
+    assert close(subject, "token_embeddings", embeddings, expected["values"]["layer_input"][0])
+    for _, name in served(subject.model):
+        for layer in range(layers):
+            got, want = saved[(name, layer)], expected["values"][name][layer]
+            assert got.shape == want.shape, (name, layer, got.shape, want.shape)
+            if name == "attention_probabilities":
+                difference = (got - want).abs().max().item()
+                record(subject.name, name, difference)
+                assert difference <= PATTERN_TOLERANCE, (name, layer)
+            elif name == "attention_scores":
+                masked = torch.isinf(want)
+                assert torch.equal(torch.isinf(got), masked), (name, layer)
+                assert close(subject, name, got[~masked], want[~masked]), (name, layer)
+            else:
+                assert close(subject, name, got, want), (name, layer)
+    assert close(subject, "logits", saved["logits"].reshape(-1), expected["logits"])
+
+
+def test_each_prompt_alone(subject):
+    for index, prompt in enumerate(subject.prompts):
+        (saved,) = read_all(subject.model, [prompt])
+        compare(subject, saved, index)
+
+
+def test_two_prompts_in_one_trace(subject):
+    """Two requests of different lengths in one step: each reads only its own rows."""
+    first, second = 0, len(subject.prompts) - 1
+    saved = read_all(subject.model, [subject.prompts[first], subject.prompts[second]])
+    compare(subject, saved[0], first)
+    compare(subject, saved[1], second)
+
+
+def test_stream_identities(subject):
+    """layer_input + attention_output == layer_mid and layer_mid + mlp_output == layer_output."""
+    model = subject.model
+    with model.trace(subject.prompts[-1], temperature=0.0):
+        parts = list().save()
+        for layer in model.layers:
+            parts.append(
+                (
+                    layer.layer_input.save(),
+                    layer.self_attn.attention_output.save(),
+                    layer.layer_mid.save(),
+                    layer.mlp.mlp_output.save(),
+                    layer.layer_output.save(),
+                )
+            )
+    for entering, attention, mid, mlp, leaving in parts:
+        assert (entering + attention - mid).abs().max() <= 1e-5 * max(1.0, mid.abs().max().item())
+        assert (mid + mlp - leaving).abs().max() <= 1e-5 * max(1.0, leaving.abs().max().item())
+
+
+def test_saved_values_are_private_copies(subject):
+    """A saved block-0 stream is not overwritten by later kernels (vLLM reuses its buffers)."""
+    model = subject.model
+    with model.trace(subject.prompts[1], temperature=0.0):
+        early = model.layers[0].layer_output.save()
+        again = model.layers[0].layer_output.clone().save()
+    expected = subject.expected(1)["values"]["layer_output"][0]
+    assert torch.equal(early, again)
+    assert close(subject, "layer_output", early, expected)
+
+
+def test_decode_steps_have_one_row(subject):
+    """Generating three tokens: the prefill serves every prompt token, each decode step one row."""
+    model = subject.model
+    prompt = subject.prompts[1]
+    with model.trace(prompt, temperature=0.0, max_tokens=3) as tracer:
+        shapes = list().save()
+        for _ in tracer.iter[0:3]:
+            shapes.append(tuple(model.layers[1].mlp.mlp_output.shape))
+            shapes.append(tuple(model.layers[1].layer_output.shape))
+    hidden = subject.hidden_size
+    assert shapes == [(1, len(prompt), hidden)] * 2 + [(1, 1, hidden)] * 4
+
+
+def test_unknown_value_name_is_an_attribute_error(subject):
+    with pytest.raises(RuntimeError, match="AttributeError.*no_such_value"):
+        with subject.model.trace(subject.prompts[0], temperature=0.0):
+            subject.model.layers[0].no_such_value.save()
+
+
+
+
+def steering_vector(subject) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1)
+    return 4 * torch.randn(subject.hidden_size, generator=generator)
+
+
+def test_add_to_layer_mid_in_place(subject):
+    """Add a vector at one position of layer 1's mid stream, in place."""
+    prompt, vector = subject.prompts[2], steering_vector(subject)
+    position = len(prompt) - 2  # inside every sliding window of the last token
+
+    def edit(model):
+        model.layers[1].layer_mid[:, position] += vector
+
+    def on_reference(output):
+        output = output.clone()
+        output[:, position] += vector
+        return output
+
+    # On transformers the mid stream is the block input plus the attention
+    # output, so adding to the attention output adds to it.
+    want = edited_logits(subject.reference, prompt, [(1, subject.place("attention_output"), "output", on_reference)])
+    check_edit(subject, "layer_mid += v", logits_of(subject.model, prompt, edit), want, logits_of(subject.model, prompt))
+
+
+def test_zero_mlp_output(subject):
+    prompt = subject.prompts[2]
+
+    def edit(model):
+        model.layers[1].mlp.mlp_output[:] = 0
+
+    want = edited_logits(subject.reference, prompt, [(1, subject.place("mlp_output"), "output", torch.zeros_like)])
+    check_edit(subject, "mlp_output = 0", logits_of(subject.model, prompt, edit), want, logits_of(subject.model, prompt))
+
+
+def test_assign_layer_output(subject):
+    """Assign a new stream to layer 1's output: half of what it was."""
+    prompt = subject.prompts[3]
+
+    def edit(model):
+        model.layers[1].layer_output = model.layers[1].layer_output * 0.5
+
+    want = edited_logits(subject.reference, prompt, [(1, "", "output", lambda output: output * 0.5)])
+    check_edit(subject, "layer_output = x/2", logits_of(subject.model, prompt, edit), want, logits_of(subject.model, prompt))
+
+
+def test_assign_token_embeddings(subject):
+    prompt = subject.prompts[1]
+
+    def edit(model):
+        model.token_embeddings = model.token_embeddings.flip(1)
+
+    want = edited_logits(subject.reference, prompt, [(0, "", "input", lambda hidden: hidden.flip(1))])
+    check_edit(subject, "token_embeddings flipped", logits_of(subject.model, prompt, edit), want, logits_of(subject.model, prompt))
+
+
+def test_unedited_reads_leave_logits_bit_identical(subject):
+    prompt = subject.prompts[2]
+    baseline = logits_of(subject.model, prompt)
+
+    values = served(subject.model)
+
+    def read_everything(model):
+        for layer in model.layers:
+            for owner, name in values:
+                getattr(layer if owner == "layer" else getattr(layer, owner), name).save()
+
+    assert torch.equal(logits_of(subject.model, prompt, read_everything), baseline)
+
+
+@pytest.mark.parametrize("extra", [1, -1])
+def test_wrong_token_count_is_refused_and_engine_goes_on(subject, extra):
+    prompt = subject.prompts[1]
+    baseline = logits_of(subject.model, prompt)
+    hidden = subject.hidden_size
+
+    def edit(model):
+        model.layers[1].layer_output = torch.zeros(1, len(prompt) + extra, hidden)
+
+    with pytest.raises(vlenvoys.InvalidWrite, match=rf"layer_output: expected shape \[1, {len(prompt)}, {hidden}\]"):
+        logits_of(subject.model, prompt, edit)
+    assert torch.equal(logits_of(subject.model, prompt), baseline)
+
+
+def test_wrong_dtype_is_refused(subject):
+    prompt = subject.prompts[1]
+
+    def edit(model):
+        model.layers[0].layer_mid = model.layers[0].layer_mid.double()
+
+    with pytest.raises(vlenvoys.InvalidWrite, match="dtype"):
+        logits_of(subject.model, prompt, edit)
+
+
+
+
+def test_zero_one_heads_output_at_one_position(subject):
+    prompt = subject.prompts[2]
+    head, position, layer = 1, len(prompt) - 1, 0
+    head_dim = subject.model.layers[0].self_attn.head_dim
+
+    def edit(model):
+        model.layers[layer].self_attn.attention_head_outputs[:, position, head] = 0
+
+    def on_reference(mixed):
+        mixed = mixed.clone()
+        mixed[:, position, head * head_dim : (head + 1) * head_dim] = 0
+        return mixed
+
+    want = edited_logits(subject.reference, prompt, [(layer, subject.place("attention_premix"), "input", on_reference)])
+    check_edit(subject, "head output zeroed", logits_of(subject.model, prompt, edit), want, logits_of(subject.model, prompt))
+
+
+def test_replace_a_key_row(subject):
+    """Give the second-to-last token the last token's keys (rotated, as the kernel receives them).
+
+    A token near the end, so that it is inside every sliding window.
+    """
+    prompt = subject.prompts[2]
+    layer, target = 0, len(prompt) - 2
+
+    def edit(model):
+        keys = model.layers[layer].self_attn.attention_keys
+        keys[:, target] = keys[:, -1]
+
+    def on_reference(keys):  # [1, kv_heads, tokens, head_dim]
+        keys = keys.clone()
+        keys[:, :, target] = keys[:, :, -1]
+        return keys
+
+    want = edited_logits(subject.reference, prompt, key_edits={layer: on_reference})
+    check_edit(subject, "key row replaced", logits_of(subject.model, prompt, edit), want, logits_of(subject.model, prompt))
+
+
+def test_assign_queries_reaches_the_model(subject):
+    prompt = subject.prompts[1]
+    baseline = logits_of(subject.model, prompt)
+
+    def edit(model):
+        attention = model.layers[0].self_attn
+        attention.attention_queries = torch.zeros_like(attention.attention_queries)
+
+    assert not torch.equal(logits_of(subject.model, prompt, edit), baseline)
+
+
+def test_pattern_is_read_only(subject):
+    def edit(model):
+        model.layers[0].self_attn.attention_probabilities = torch.zeros(1)
+
+    with pytest.raises(vlenvoys.ReadOnly, match="edit attention_queries or attention_keys"):
+        logits_of(subject.model, subject.prompts[0], edit)
+
+
+def test_pattern_rows_sum_to_one_and_respect_the_causal_mask_and_window(subject):
+    model = subject.model
+    prompt = subject.prompts[-1]
+    with model.trace(prompt, temperature=0.0):
+        patterns = list().save()
+        for layer in model.layers:
+            patterns.append(layer.self_attn.attention_probabilities)
+    tokens = len(prompt)
+    distance = torch.arange(tokens)[:, None] - torch.arange(tokens)[None, :]
+    for layer, pattern in enumerate(patterns):
+        outside = distance < 0
+        window = subject.window(layer)
+        if window:
+            outside |= distance >= window
+            assert window < tokens, "the window must be shorter than the prompt to be tested"
+        assert pattern.shape == (1, subject.heads[0], tokens, tokens)
+        assert torch.allclose(pattern.sum(-1), torch.ones(()), atol=1e-5)
+        assert torch.all(pattern[..., outside] == 0)
+
+
+def test_scores_on_a_decode_step_are_refused_by_name(subject):
+    model = subject.model
+    with pytest.raises(vlenvoys.Unavailable, match="read it on the prefill") as raised:
+        with model.trace(subject.prompts[0], temperature=0.0, max_tokens=2) as tracer:
+            for step in tracer.iter[0:2]:
+                model.layers[0].self_attn.attention_scores.save()
+    assert raised.value.reason == vlenvoys.DECODE_STEP
+    assert raised.value.value == "attention_scores"
+    # The engine goes on serving.
+    assert logits_of(model, subject.prompts[0]).shape[-1] == subject.reference.config.vocab_size
+
+
+def test_decode_steps_serve_one_row_of_queries_keys_values(subject):
+    model = subject.model
+    prompt = subject.prompts[1]
+    with model.trace(prompt, temperature=0.0, max_tokens=3) as tracer:
+        shapes = list().save()
+        for _ in tracer.iter[0:3]:
+            attention = model.layers[1].self_attn
+            shapes.append(
+                (
+                    tuple(attention.attention_queries.shape),
+                    tuple(attention.attention_keys.shape),
+                    tuple(attention.attention_head_outputs.shape),
+                )
+            )
+    head_dim = model.layers[1].self_attn.head_dim
+    for step, (queries, keys, outputs) in enumerate(shapes):
+        rows = len(prompt) if step == 0 else 1
+        assert queries == outputs == (1, rows, subject.heads[0], head_dim)
+        assert keys == (1, rows, subject.heads[1], head_dim)
+
+
+def test_zero_one_neuron_at_one_position(subject):
+    if subject.routed:  # nothing to zero; the refusal is tested in test_neurons_by_mlp_kind
+        assert not vlenvoys.support(subject.model)["mlp", "mlp_neurons"].available
+        return
+    prompt = subject.prompts[2]
+    layer, position = 1, len(prompt) - 2
+    # The neuron with the largest activation there, so zeroing it matters.
+    with subject.model.trace(prompt, temperature=0.0):
+        neurons = subject.model.layers[layer].mlp.mlp_neurons.save()
+    neuron = int(neurons[0, position].abs().argmax())
+
+    def edit(model):
+        model.layers[layer].mlp.mlp_neurons[:, position, neuron] = 0
+
+    def on_reference(hidden):
+        hidden = hidden.clone()
+        hidden[:, position, neuron] = 0
+        return hidden
+
+    want = edited_logits(subject.reference, prompt, [(layer, subject.place("mlp_neurons"), "input", on_reference)])
+    got = logits_of(subject.model, prompt, edit)
+    difference = (got - want).abs().max().item()
+    record(subject.name, "edit: one neuron zeroed", difference)
+    assert difference <= 1e-4 * max(1.0, want.abs().max().item())
+    assert not torch.equal(got, logits_of(subject.model, prompt))
+
+
+def test_neurons_by_mlp_kind(subject):
+    """Gated and plain: neurons are [1, tokens, intermediate]. Routed (mixture of experts): refused (ROUTED)."""
+    if subject.routed:
+        with pytest.raises(vlenvoys.Unavailable, match="mlp_output") as raised:
+            logits_of(subject.model, subject.prompts[0], lambda model: model.layers[0].mlp.mlp_neurons.save())
+        assert raised.value.reason == vlenvoys.ROUTED
+        return
+    with subject.model.trace(subject.prompts[1], temperature=0.0):
+        neurons = subject.model.layers[0].mlp.mlp_neurons.save()
+    intermediate = subject.expected(1)["values"]["mlp_neurons"][0].shape[-1]
+    assert neurons.shape == (1, len(subject.prompts[1]), intermediate)
+
+
+def test_activation_by_mlp_kind(subject):
+    """Plain: the activation is the neurons, read per block. Gated/routed: refused by name."""
+    model = subject.model
+    if subject.mlp_kind == "plain":
+        with model.trace(subject.prompts[1], temperature=0.0):
+            activations = list().save()
+            for layer in model.layers:
+                activations.append(layer.mlp.mlp_activation)
+        # vLLM shares one activation module between blocks: each block's must be its own.
+        for layer, activation in enumerate(activations):
+            assert close(subject, "mlp_activation", activation, subject.expected(1)["values"]["mlp_activation"][layer])
+        assert not torch.equal(activations[0], activations[-1])
+        return
+    reason = vlenvoys.ROUTED if subject.routed else vlenvoys.GATED
+    with pytest.raises(vlenvoys.Unavailable, match="instead") as raised:
+        logits_of(model, subject.prompts[0], lambda model: model.layers[0].mlp.mlp_activation.save())
+    assert raised.value.reason == reason
+    assert raised.value.value == "mlp_activation"
+
+
+def test_support_lists_every_value_with_its_reason(subject):
+    support = vlenvoys.support(subject.model)
+    kind = subject.mlp_kind
+    assert support["mlp", "mlp_activation"].available is (kind == "plain")
+    if kind != "plain":
+        assert support["mlp", "mlp_activation"].note == (vlenvoys.ROUTED if subject.routed else vlenvoys.GATED)
+    assert support["mlp", "mlp_neurons"].available is not subject.routed
+    assert support["attention", "attention_probabilities"].available
+    assert "prefill only" in support["attention", "attention_probabilities"].note
+    assert all(row.available or row.note for row in support), "every unavailable value says why"
+    assert "mlp_neurons" in str(support)
