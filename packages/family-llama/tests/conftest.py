@@ -1,6 +1,7 @@
 """One vLLM engine per model for the session, beside the transformers model with the same weights."""
 
 from vlenvoys import conformance
+from vlenvoys.oracle import GRANITE_LAYOUT
 
 #: Tiny random models, one per declared architecture (test name: architecture,
 #: config overrides), and the real SmolLM2. The windowed Mistral slides a
@@ -13,7 +14,7 @@ MODELS = {
     "Qwen2MoeForCausalLM": ("Qwen2MoeForCausalLM", {}),
     "MixtralForCausalLM": ("MixtralForCausalLM", {}),
     # Multipliers far from 1: embedding 8, residual 0.5, attention 0.25, logits scaling 0.5.
-    "GraniteForCausalLM": ("GraniteForCausalLM", {}),
+    "GraniteForCausalLM": ("GraniteForCausalLM", {}, GRANITE_LAYOUT),
     "SmolLM2": (None, {}),
 }
 

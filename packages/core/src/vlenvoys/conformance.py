@@ -92,6 +92,14 @@ class Subject:
     def mlp_kind(self) -> str:
         return self.model.architecture.mlp.KIND
 
+    def edited(self, prompt: list[int], edits=(), key_edits=None) -> torch.Tensor:
+        """transformers' last-token logits with ``edits`` (see `vlenvoys.oracle.edited_logits`)."""
+        return edited_logits(self.reference, prompt, edits, self.layout, key_edits)
+
+    def multiplier(self, value: str) -> float:
+        """What the block multiplies ``value``'s transformers module output by."""
+        return self.layout.multiplier(self.reference, value)
+
     def place(self, value: str) -> str:
         """The transformers module path (under a block) where ``value`` is read."""
         return self.layout.places[value][0]
@@ -109,12 +117,13 @@ REAL_PROMPTS = (
 )
 
 
-def subject_fixture(models: dict[str, tuple[str | None, dict]], layout: HFLayout = oracle.LLAMA_LAYOUT) -> Callable:
+def subject_fixture(models: dict[str, tuple], layout: HFLayout = oracle.LLAMA_LAYOUT) -> Callable:
     """A session-scoped, parametrized ``subject`` fixture over ``models``.
 
     ``models`` maps a test name to ``(architecture, config overrides)`` for
     `vlenvoys.testing.tiny_model`, or to ``(None, {})`` for the built-in
-    SmolLM2. One engine runs at a time; pytest groups the tests by model.
+    SmolLM2, optionally with a third element, the model's own `HFLayout`.
+    One engine runs at a time; pytest groups the tests by model.
     """
 
     @pytest.fixture(scope="session", params=list(models))
@@ -122,7 +131,7 @@ def subject_fixture(models: dict[str, tuple[str | None, dict]], layout: HFLayout
         from transformers import AutoTokenizer
 
         name = request.param
-        architecture, overrides = models[name]
+        architecture, overrides, *own = models[name]
         if architecture is None:
             path, texts = weights.smollm2_path(), REAL_PROMPTS
         else:
@@ -132,7 +141,7 @@ def subject_fixture(models: dict[str, tuple[str | None, dict]], layout: HFLayout
         prompts = [tokenizer(text)["input_ids"] for text in texts]
         reference = oracle.load_reference(path)
         with oracle.engine(str(path)) as model:
-            yield Subject(name, model, reference, prompts, layout)
+            yield Subject(name, model, reference, prompts, own[0] if own else layout)
 
     return subject
 
@@ -294,12 +303,12 @@ def test_add_to_layer_mid_in_place(subject):
 
     def on_reference(output):
         output = output.clone()
-        output[:, position] += vector
+        output[:, position] += vector / subject.multiplier("attention_output")
         return output
 
     # On transformers the mid stream is the block input plus the attention
     # output, so adding to the attention output adds to it.
-    want = edited_logits(subject.reference, prompt, [(1, subject.place("attention_output"), "output", on_reference)])
+    want = subject.edited(prompt, [(1, subject.place("attention_output"), "output", on_reference)])
     check_edit(subject, "layer_mid += v", logits_of(subject.model, prompt, edit), want, logits_of(subject.model, prompt))
 
 
@@ -309,7 +318,7 @@ def test_zero_mlp_output(subject):
     def edit(model):
         model.layers[1].mlp.mlp_output[:] = 0
 
-    want = edited_logits(subject.reference, prompt, [(1, subject.place("mlp_output"), "output", torch.zeros_like)])
+    want = subject.edited(prompt, [(1, subject.place("mlp_output"), "output", torch.zeros_like)])
     check_edit(subject, "mlp_output = 0", logits_of(subject.model, prompt, edit), want, logits_of(subject.model, prompt))
 
 
@@ -320,7 +329,7 @@ def test_assign_layer_output(subject):
     def edit(model):
         model.layers[1].layer_output = model.layers[1].layer_output * 0.5
 
-    want = edited_logits(subject.reference, prompt, [(1, "", "output", lambda output: output * 0.5)])
+    want = subject.edited(prompt, [(1, "", "output", lambda output: output * 0.5)])
     check_edit(subject, "layer_output = x/2", logits_of(subject.model, prompt, edit), want, logits_of(subject.model, prompt))
 
 
@@ -330,7 +339,7 @@ def test_assign_token_embeddings(subject):
     def edit(model):
         model.token_embeddings = model.token_embeddings.flip(1)
 
-    want = edited_logits(subject.reference, prompt, [(0, "", "input", lambda hidden: hidden.flip(1))])
+    want = subject.edited(prompt, [(0, "", "input", lambda hidden: hidden.flip(1))])
     check_edit(subject, "token_embeddings flipped", logits_of(subject.model, prompt, edit), want, logits_of(subject.model, prompt))
 
 
@@ -387,7 +396,7 @@ def test_zero_one_heads_output_at_one_position(subject):
         mixed[:, position, head * head_dim : (head + 1) * head_dim] = 0
         return mixed
 
-    want = edited_logits(subject.reference, prompt, [(layer, subject.place("attention_premix"), "input", on_reference)])
+    want = subject.edited(prompt, [(layer, subject.place("attention_premix"), "input", on_reference)])
     check_edit(subject, "head output zeroed", logits_of(subject.model, prompt, edit), want, logits_of(subject.model, prompt))
 
 
@@ -408,7 +417,7 @@ def test_replace_a_key_row(subject):
         keys[:, :, target] = keys[:, :, -1]
         return keys
 
-    want = edited_logits(subject.reference, prompt, key_edits={layer: on_reference})
+    want = subject.edited(prompt, key_edits={layer: on_reference})
     check_edit(subject, "key row replaced", logits_of(subject.model, prompt, edit), want, logits_of(subject.model, prompt))
 
 
@@ -503,7 +512,7 @@ def test_zero_one_neuron_at_one_position(subject):
         hidden[:, position, neuron] = 0
         return hidden
 
-    want = edited_logits(subject.reference, prompt, [(layer, subject.place("mlp_neurons"), "input", on_reference)])
+    want = subject.edited(prompt, [(layer, subject.place("mlp_neurons"), "input", on_reference)])
     got = logits_of(subject.model, prompt, edit)
     difference = (got - want).abs().max().item()
     record(subject.name, "edit: one neuron zeroed", difference)

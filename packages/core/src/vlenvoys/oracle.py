@@ -62,6 +62,9 @@ class HFLayout:
         layers: The path of the block list on the transformers model.
         places: Value name -> (child path under the block, ``"input"`` or
             ``"output"``); an empty child path is the block itself.
+        multipliers: Value name -> the config attribute the block multiplies
+            that module's output by before adding it (Granite's
+            ``residual_multiplier``): the value is the output times it.
     """
 
     layers: str = "model.layers"
@@ -78,6 +81,12 @@ class HFLayout:
             "mlp_neurons": ("mlp.down_proj", "input"),
         }
     )
+    multipliers: dict[str, str] = field(default_factory=dict)
+
+    def multiplier(self, model: torch.nn.Module, value: str) -> float:
+        """What the block multiplies ``value``'s module output by (1 where nothing)."""
+        name = self.multipliers.get(value)
+        return 1.0 if name is None else float(getattr(model.config, name))
 
     def blocks(self, model: torch.nn.Module) -> Sequence[torch.nn.Module]:
         return model.get_submodule(self.layers)
@@ -85,6 +94,8 @@ class HFLayout:
 
 #: Llama, Mistral, Qwen2, Qwen3 (and Gemma's names) in transformers 5.
 LLAMA_LAYOUT = HFLayout()
+#: Granite: Llama's names, sublayer outputs added times residual_multiplier.
+GRANITE_LAYOUT = HFLayout(multipliers={"attention_output": "residual_multiplier", "mlp_output": "residual_multiplier"})
 
 
 class _Recorder:
@@ -202,6 +213,8 @@ def reference(model: torch.nn.Module, input_ids: Sequence[int], layout: HFLayout
     for name, by_layer in recorder.values.items():
         if by_layer:
             values[name] = [by_layer[layer] for layer in sorted(by_layer)]
+    for name in layout.multipliers:
+        values[name] = [value * layout.multiplier(model, name) for value in values[name]]
     if "attention_premix" in values and "attention_head_outputs" in values:
         # The output projection's input, split into heads as the head outputs are.
         values["attention_premix"] = [
