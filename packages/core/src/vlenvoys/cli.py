@@ -39,13 +39,110 @@ def lens(
 
     console = Console()
     with console.status("starting vLLM (about 30 s on a CPU)"):
-        loaded = vlenvoys.load(model, max_model_len=2048)
+        loaded = vlenvoys.load(model)
     try:
         result = logit_lens(loaded, prompt, k=top)
     finally:
         vlenvoys.shutdown(loaded)
     console.print(result.table(title=f"logit lens: {prompt!r}"))
     console.print(f"final prediction: {result.top_tokens[-1][0]!r}; heatmap saved to {result.heatmap(out, title=prompt)}")
+
+
+@app.command()
+def patterns(
+    model: Model = None,
+    layer: Annotated[int, typer.Option(help="The block whose attention to draw.")] = 0,
+    prompt: Annotated[str, typer.Option(help="The prompt to read.")] = "The Eiffel Tower is located in the city of",
+    out: Annotated[Path, typer.Option(help="Where to save the heatmaps (PNG).")] = Path("attention_patterns.png"),
+) -> None:
+    """Draw every head's attention pattern of one block for a prompt (query token x key token)."""
+    import math
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from rich.console import Console
+
+    import vlenvoys
+
+    console = Console()
+    with console.status("starting vLLM (about 30 s on a CPU)"):
+        loaded = vlenvoys.load(model)
+    try:
+        ids = loaded.tokenizer(prompt)["input_ids"]
+        with loaded.trace(ids, temperature=0.0):
+            pattern = loaded.layers[layer].self_attn.attention_probabilities.save()
+    finally:
+        vlenvoys.shutdown(loaded)
+    tokens = [repr(loaded.tokenizer.decode([token]))[1:-1] for token in ids]
+    heads = pattern.shape[1]
+    columns = min(heads, 4)
+    rows = math.ceil(heads / columns)
+    size = max(3.0, 0.35 * len(tokens))
+    figure, axes = plt.subplots(rows, columns, figsize=(size * columns, size * rows), squeeze=False)
+    for head, axis in enumerate(axes.flat):
+        if head >= heads:
+            axis.axis("off")
+            continue
+        axis.imshow(pattern[0, head].numpy(), cmap="viridis", vmin=0, vmax=1)
+        axis.set_title(f"head {head}")
+        axis.set_xticks(range(len(tokens)), tokens, rotation=90, fontsize=7)
+        axis.set_yticks(range(len(tokens)), tokens, fontsize=7)
+    figure.suptitle(f"layer {layer} attention: query (rows) attends to key (columns)")
+    figure.tight_layout()
+    figure.savefig(out, dpi=110)
+    plt.close(figure)
+    console.print(f"{heads} heads of layer {layer} saved to {out}")
+
+
+@app.command()
+def collect(
+    prompts: Annotated[Path, typer.Argument(help="A text file with one prompt per line.")],
+    model: Annotated[Optional[str], typer.Option(help="A checkpoint folder; the built-in SmolLM2 when omitted.")] = None,
+    value: Annotated[str, typer.Option(help="A block value: layer_output, layer_mid, attention_output, mlp_neurons, ...")] = "layer_output",
+    layers: Annotated[str, typer.Option(help="Comma-separated block indices.")] = "0",
+    out: Annotated[Path, typer.Option(help="The safetensors file to write.")] = Path("values.safetensors"),
+    batch: Annotated[int, typer.Option(help="Prompts per trace (each its own request).")] = 16,
+) -> None:
+    """Save one value at chosen blocks for every prompt of a file to a safetensors file.
+
+    Tensors are named ``{value}.{layer}.{prompt index}``, each ``[tokens, ...]``
+    for that prompt (the batch axis dropped).
+    """
+    from rich.console import Console
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    import vlenvoys
+    from vlenvoys.oracle import VALUES
+
+    owners = dict((name, owner) for owner, name in VALUES)
+    if value not in owners:
+        raise typer.BadParameter(f"{value!r} is not a block value; choose one of {', '.join(owners)}")
+    chosen = [int(layer) for layer in layers.split(",")]
+    texts = [line.strip() for line in prompts.read_text().splitlines() if line.strip()]
+    console = Console()
+    with console.status("starting vLLM (about 30 s on a CPU)"):
+        loaded = vlenvoys.load(model)
+    tensors = {}
+    try:
+        for start in tqdm(range(0, len(texts), batch), desc="collecting", unit="batch"):
+            group = texts[start : start + batch]
+            with loaded.trace(temperature=0.0, max_tokens=1) as tracer:
+                saved = dict().save()
+                for offset, text in enumerate(group):
+                    with tracer.invoke(text):
+                        for layer in chosen:
+                            block = loaded.layers[layer]
+                            envoy = block if owners[value] == "layer" else getattr(block, owners[value])
+                            saved[(layer, start + offset)] = getattr(envoy, value)[0]
+            for (layer, index), tensor in saved.items():
+                tensors[f"{value}.{layer}.{index}"] = tensor.contiguous()
+    finally:
+        vlenvoys.shutdown(loaded)
+    save_file(tensors, str(out))
+    console.print(f"{len(tensors)} tensors from {len(texts)} prompts saved to {out}")
 
 
 @app.command()

@@ -77,6 +77,81 @@ class StandardizedVLLM(VLLM):
         """How many decoder blocks the model has."""
         return len(self.layers)
 
+    @property
+    def config(self) -> Any:
+        """The model's transformers config, as vLLM loaded it."""
+        return self._module.config
+
+    @property
+    def num_heads(self) -> int:
+        """Query heads per attention layer."""
+        return int(self.config.num_attention_heads)
+
+    @property
+    def hidden_size(self) -> int:
+        """Width of the residual stream."""
+        return int(self.config.hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the unembedding matrix."""
+        return int(self.config.vocab_size)
+
+    # nnterp's per-layer accessors: model.layers_output[3], model.layers_output[3] = x.
+    @property
+    def layers_input(self) -> "LayerValues":
+        """``layers_input[i]``: block i's input stream, ``[1, tokens, hidden_size]``."""
+        return LayerValues(self, "layer_input")
+
+    @property
+    def layers_output(self) -> "LayerValues":
+        """``layers_output[i]``: block i's output stream, ``[1, tokens, hidden_size]``."""
+        return LayerValues(self, "layer_output")
+
+    @property
+    def attentions_output(self) -> "LayerValues":
+        """``attentions_output[i]``: what block i's attention adds to the stream, ``[1, tokens, hidden_size]``."""
+        return LayerValues(self, "attention_output", "self_attn")
+
+    @property
+    def mlps_output(self) -> "LayerValues":
+        """``mlps_output[i]``: what block i's MLP adds to the stream, ``[1, tokens, hidden_size]``."""
+        return LayerValues(self, "mlp_output", "mlp")
+
+    @property
+    def attention_probabilities(self) -> "LayerValues":
+        """``attention_probabilities[i]``: block i's pattern, ``[1, heads, tokens, tokens]``; prefill only, read-only."""
+        return LayerValues(self, "attention_probabilities", "self_attn")
+
+    def steer(
+        self,
+        layers: int | list[int],
+        steering_vector: torch.Tensor,
+        factor: float = 1.0,
+        token_positions: int | list[int] | slice | None = None,
+    ) -> None:
+        """Add ``factor * steering_vector`` (``[hidden_size]``) to the output stream of ``layers``.
+
+        nnterp's ``steer``: at ``token_positions`` (every position when None),
+        in place, inside a trace. On a generation it steers the step it is
+        called for; use ``tracer.all()``/``tracer.iter`` to steer every step.
+        """
+        positions = slice(None) if token_positions is None else token_positions
+        for layer in [layers] if isinstance(layers, int) else layers:
+            stream = self.layers[layer].layer_output
+            stream[:, positions] += factor * steering_vector.to(stream.dtype)
+
+    def skip_layer(self, layer: int, skip_with: torch.Tensor | None = None) -> None:
+        """Skip block ``layer``, handing on ``skip_with`` (its input stream when None); see `Layer.skip`."""
+        block = self.layers[layer]
+        block.skip(block.layer_input if skip_with is None else skip_with)
+
+    def skip_layers(self, start: int, end: int, skip_with: torch.Tensor | None = None) -> None:
+        """Skip blocks ``start`` to ``end`` (inclusive, as nnterp), handing block ``start``'s input on."""
+        stream = self.layers[start].layer_input if skip_with is None else skip_with
+        for layer in range(start, end + 1):
+            self.layers[layer].skip(stream)
+
     def project_on_vocab(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of a residual stream, ``[..., hidden_size]`` -> ``[..., vocab_size]``.
 
@@ -125,6 +200,26 @@ def _meta_build() -> Iterator[None]:
     finally:
         for owner, name, original in saved:
             setattr(owner, name, original)
+
+
+class LayerValues:
+    """One standard value of every block, indexed by block: ``model.layers_output[i]``."""
+
+    def __init__(self, model: StandardizedVLLM, value: str, child: str | None = None) -> None:
+        self.model, self.value, self.child = model, value, child
+
+    def _envoy(self, layer: int) -> Any:
+        block = self.model.layers[layer]
+        return block if self.child is None else getattr(block, self.child)
+
+    def __getitem__(self, layer: int) -> torch.Tensor:
+        return getattr(self._envoy(layer), self.value)
+
+    def __setitem__(self, layer: int, value: torch.Tensor) -> None:
+        setattr(self._envoy(layer), self.value, value)
+
+    def __len__(self) -> int:
+        return self.model.num_layers
 
 
 def worker_class() -> str:

@@ -1,0 +1,35 @@
+"""One vLLM engine per EXAONE 4 model for the session, beside transformers with the same weights."""
+
+from vlenvoys import conformance
+from vlenvoys.oracle import HFLayout
+
+#: transformers' EXAONE 4 names for the standard values, under one block. The block
+#: norms after each sublayer, so the contributions are the post norms' outputs and the
+#: mid-layer stream is the MLP's input; there is no pre-sublayer norm to read.
+EXAONE4_LAYOUT = HFLayout(
+    places={
+        "layer_input": ("", "input"),
+        "attention_output": ("post_attention_layernorm", "output"),
+        "layer_mid": ("mlp", "input"),
+        "mlp_output": ("post_feedforward_layernorm", "output"),
+        "layer_output": ("", "output"),
+        "attention_premix": ("self_attn.o_proj", "input"),
+        "mlp_neurons": ("mlp.down_proj", "input"),
+    },
+)
+
+#: Hybrid: layers slide (8-token window, rotary), attend fully (no rotary), slide, over
+#: prompts of up to 24 tokens. Full: every layer attends fully with rotary (EXAONE 4.0 1.2B's form).
+MODELS = {
+    "Exaone4ForCausalLM-window8": ("Exaone4ForCausalLM", {"sliding_window": 8}),
+    "Exaone4ForCausalLM-full": (
+        "Exaone4ForCausalLM",
+        {"sliding_window": None, "layer_types": ["full_attention"] * 3, "seed": 1},
+    ),
+}
+
+subject = conformance.subject_fixture(MODELS, EXAONE4_LAYOUT)
+
+
+def pytest_terminal_summary(terminalreporter):
+    conformance.summary(terminalreporter)

@@ -1,0 +1,130 @@
+"""nnterp's model API on vLLM (accessors, steer, skip, lens) and the CLI, on the tiny Llama."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from vlenvoys import testing
+from vlenvoys.cli import app
+from vlenvoys.conformance import logits_of
+
+on_tiny_llama = pytest.mark.parametrize("subject", ["LlamaForCausalLM"], indirect=True)
+
+
+@on_tiny_llama
+def test_sizes_match_the_config(subject):
+    config, model = subject.reference.config, subject.model
+    assert (model.num_layers, model.num_heads, model.hidden_size, model.vocab_size) == (
+        config.num_hidden_layers,
+        config.num_attention_heads,
+        config.hidden_size,
+        config.vocab_size,
+    )
+
+
+@on_tiny_llama
+def test_accessors_are_the_block_values(subject):
+    model, prompt = subject.model, subject.prompts[1]
+    with model.trace(prompt, temperature=0.0):
+        got = list().save()
+        for i in range(model.num_layers):
+            got.append(
+                (
+                    model.layers_input[i],
+                    model.attention_probabilities[i],
+                    model.attentions_output[i],
+                    model.mlps_output[i],
+                    model.layers_output[i],
+                )
+            )
+    expected = subject.expected(1)["values"]
+    for i, (entering, pattern, attention, mlp, leaving) in enumerate(got):
+        for value, name in (
+            (entering, "layer_input"),
+            (pattern, "attention_probabilities"),
+            (attention, "attention_output"),
+            (mlp, "mlp_output"),
+            (leaving, "layer_output"),
+        ):
+            assert (value - expected[name][i]).abs().max() <= 1e-4, (name, i)
+
+
+@on_tiny_llama
+def test_steer_equals_the_same_edit_by_hand(subject):
+    model, prompt = subject.model, subject.prompts[2]
+    vector = torch.linspace(-2, 2, subject.hidden_size)
+
+    def by_hand(model):
+        model.layers[1].layer_output[:, [1, 3]] += 1.5 * vector
+
+    steered = logits_of(model, prompt, lambda m: m.steer([1], vector, factor=1.5, token_positions=[1, 3]))
+    assert torch.equal(steered, logits_of(model, prompt, by_hand))
+    assert not torch.equal(steered, logits_of(model, prompt))
+
+
+@on_tiny_llama
+def test_skip_layer_passes_the_input_on(subject):
+    model, prompt = subject.model, subject.prompts[2]
+    skipped = logits_of(model, prompt, lambda m: m.skip_layer(1))
+    by_hand = logits_of(model, prompt, lambda m: m.layers[1].skip(m.layers[1].layer_input))
+    assert torch.equal(skipped, by_hand)
+    assert not torch.equal(skipped, logits_of(model, prompt))
+
+
+@on_tiny_llama
+def test_project_on_vocab_of_the_last_layer_is_the_logits(subject):
+    model, prompt = subject.model, subject.prompts[1]
+    with model.trace(prompt, temperature=0.0):
+        lens = model.project_on_vocab(model.layers_output[model.num_layers - 1]).save()
+        logits = model.logits.save()
+    assert lens.shape == (1, len(prompt), model.vocab_size)
+    assert (lens[0, -1] - logits.reshape(-1)).abs().max() <= 1e-4
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return testing.tiny_model("LlamaForCausalLM", tmp_path_factory.mktemp("cli"))
+
+
+def test_lens_command(tiny_llama, tmp_path):
+    out = tmp_path / "lens.png"
+    result = CliRunner().invoke(app, ["lens", str(tiny_llama), "--prompt", testing.PROMPTS[1], "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "final prediction" in result.output
+    assert out.stat().st_size > 10_000
+
+
+def test_patterns_command(tiny_llama, tmp_path):
+    out = tmp_path / "patterns.png"
+    result = CliRunner().invoke(app, ["patterns", str(tiny_llama), "--layer", "1", "--prompt", testing.PROMPTS[1], "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert out.stat().st_size > 10_000
+
+
+def test_collect_command(tiny_llama, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(testing.PROMPTS))
+    out = tmp_path / "values.safetensors"
+    result = CliRunner().invoke(
+        app,
+        ["collect", str(prompts), "--model", str(tiny_llama), "--layers", "0,2", "--out", str(out), "--batch", "3"],
+    )
+    assert result.exit_code == 0, result.output
+    tensors = load_file(str(out))
+    assert len(tensors) == 2 * len(testing.PROMPTS)
+    from transformers import AutoTokenizer
+
+    from vlenvoys import oracle
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    reference = oracle.load_reference(tiny_llama)
+    for index, text in enumerate(testing.PROMPTS):
+        ids = tokenizer(text)["input_ids"]
+        expected = oracle.reference(reference, ids)["values"]["layer_output"]
+        for layer in (0, 2):
+            got = tensors[f"layer_output.{layer}.{index}"]
+            assert got.shape == (len(ids), reference.config.hidden_size)
+            assert (got - expected[layer][0]).abs().max() <= 1e-4
