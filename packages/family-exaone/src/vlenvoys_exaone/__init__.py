@@ -1,6 +1,6 @@
-"""vlenvoys-exaone: EXAONE 4 on vLLM.
+"""vlenvoys-exaone: EXAONE 4 and EXAONE 3 on vLLM.
 
-vLLM's ``Exaone4DecoderLayer.forward(positions, hidden_states, residual)``
+EXAONE 4: vLLM's ``Exaone4DecoderLayer.forward(positions, hidden_states, residual)``
 takes the whole stream (the residual argument is ignored) and norms *after*
 each sublayer: attention on the raw stream, ``post_attention_layernorm`` on
 its output, add; MLP on the mid-layer stream, ``post_feedforward_layernorm``
@@ -12,14 +12,30 @@ Hybrid models alternate sliding-window layers (rotary) with full-attention
 layers (no rotary); the queries and keys are read as the kernel receives
 them and the pattern with each kernel's own window, so neither needs a
 declaration.
+
+EXAONE 3 (``ExaoneForCausalLM``) is Llama's fused block under GPT-2-like
+names: ``transformer.h[i]`` with ``ln_1``/``ln_2``, the attention one level
+down at ``attn.attention`` (``out_proj``), the MLP's down projection ``c_proj``.
 """
 
-from vlenvoys import Architecture, Attention, Family, Layer, Mlp
+from vlenvoys import Architecture, Attention, Family, FusedLayer, Layer, Mlp
 
 from .version import __version__
 
-__all__ = ["EXAONE4", "FAMILY", "NO_PRE_ATTENTION_NORM", "NO_PRE_MLP_NORM", "Exaone4Attention", "Exaone4Layer",
-           "Exaone4Mlp", "__version__"]
+__all__ = [
+    "EXAONE3",
+    "EXAONE4",
+    "FAMILY",
+    "NO_PRE_ATTENTION_NORM",
+    "NO_PRE_MLP_NORM",
+    "Exaone3Attention",
+    "Exaone3Layer",
+    "Exaone3Mlp",
+    "Exaone4Attention",
+    "Exaone4Layer",
+    "Exaone4Mlp",
+    "__version__",
+]
 
 NO_PRE_ATTENTION_NORM = (
     "EXAONE 4 norms after the attention, not before: the attention reads the raw stream, "
@@ -60,4 +76,39 @@ EXAONE4 = Architecture(
     rename={"model.layers": "layers", "model.norm": "ln_final", "model.embed_tokens": "embed_tokens"},
 )
 
-FAMILY = Family(name="exaone", vllm=">=0.32,<0.33", architectures={"Exaone4ForCausalLM": EXAONE4})
+
+
+class Exaone3Layer(FusedLayer):
+    """``ExaoneDecoderLayer.forward(positions, hidden_states, residual) -> (hidden_states, residual)``."""
+
+    ATTENTION_NORM = "ln_1"
+    MLP_NORM = "ln_2"
+
+
+class Exaone3Attention(Attention):
+    """vLLM's ``ExaoneAttention``, at ``attn.attention`` (the block's ``attn`` only forwards to it)."""
+
+    OUT_PROJ = "out_proj"
+
+
+class Exaone3Mlp(Mlp):
+    DOWN = "c_proj"
+
+
+EXAONE3 = Architecture(
+    layer=Exaone3Layer,
+    attention=Exaone3Attention,
+    mlp=Exaone3Mlp,
+    rename={
+        "transformer.h": "layers",
+        "transformer.ln_f": "ln_final",
+        "transformer.wte": "embed_tokens",
+        "attn.attention": "self_attn",
+    },
+)
+
+FAMILY = Family(
+    name="exaone",
+    vllm=">=0.32,<0.33",
+    architectures={"Exaone4ForCausalLM": EXAONE4, "ExaoneForCausalLM": EXAONE3},
+)

@@ -1,0 +1,252 @@
+"""Benchmarks: what vlenvoys costs and what it buys, measured side by side in one run.
+
+Runs on the built-in SmolLM2-135M-Instruct (float32) on vLLM's engine and
+writes benchmarks/results.md (medians and ratios) and benchmarks/results.png.
+Run with `nox -s bench`. Timings are wall-clock medians over repeats; every
+row's ratio compares runs made in this process, on this machine, minutes apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+import torch
+
+import vlenvoys
+
+WORDS = (
+    "the quick brown fox jumps over a lazy dog while seven tired sailors sing about distant islands "
+    "and golden rivers under a pale morning sky full of quiet birds and old stories"
+).split()
+
+
+def prompts(count: int, low: int = 8, high: int = 40, seed: int = 0) -> list[str]:
+    """``count`` prompts of ``low``..``high`` words, deterministic."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high + 1, (count,), generator=generator).tolist()
+    starts = torch.randint(0, len(WORDS), (count,), generator=generator).tolist()
+    return [" ".join(WORDS[(start + i) % len(WORDS)] for i in range(length)) for start, length in zip(starts, lengths)]
+
+
+def median_time(run: Callable[[], object], repeats: int) -> float:
+    run()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def rss_mib() -> float:
+    me = psutil.Process(os.getpid())
+    return (me.memory_info().rss + sum(c.memory_info().rss for c in me.children(recursive=True))) / 2**20
+
+
+# -- what is timed --------------------------------------------------------------
+
+
+def plain_vllm(model, texts, max_tokens=1):
+    from vllm import SamplingParams
+
+    model.vllm_entrypoint.generate(texts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
+
+
+def traced(model, texts, body, max_tokens=1, batch=32):
+    """One invoke per prompt, ``batch`` invokes per trace; ``body(model)`` returns what to keep."""
+    kept = []
+    for start in range(0, len(texts), batch):
+        with model.trace(temperature=0.0, max_tokens=max_tokens) as tracer:
+            saved = list().save()
+            for text in texts[start : start + batch]:
+                with tracer.invoke(text):
+                    saved.append(body(model))
+        kept.extend(saved)
+    return kept
+
+
+def every_layer_standard(model):
+    out = []
+    for layer in model.layers:
+        out.append(layer.self_attn.attention_output)
+        out.append(layer.mlp.mlp_neurons)
+        out.append(layer.layer_output)
+    return out
+
+
+def every_layer_raw(model):
+    out = []
+    for layer in model.model.layers:
+        out.append(layer.self_attn.output.clone())
+        out.append(layer.mlp.down_proj.input.clone())
+        hidden, residual = layer.output
+        out.append((hidden + residual).clone())
+    return out
+
+
+def three_layers_standard(model):
+    return [model.layers[i].layer_output for i in (5, 15, 25)]
+
+
+def three_layers_raw(model):
+    out = []
+    for i in (5, 15, 25):
+        hidden, residual = model.model.layers[i].output
+        out.append((hidden + residual).clone())
+    return out
+
+
+def transformers_collect(reference, tokenizer, texts, layers=(5, 15, 25), batch=16):
+    kept = []
+    tokenizer.padding_side = "left"
+    with torch.no_grad():
+        for start in range(0, len(texts), batch):
+            encoded = tokenizer(texts[start : start + batch], return_tensors="pt", padding=True)
+            out = reference(**encoded, output_hidden_states=True)
+            kept.append([out.hidden_states[i + 1] for i in layers])
+    return kept
+
+
+def transformers_steered(reference, tokenizer, texts, vector, layer, tokens=32, batch=16):
+    def hook(module, args, output):
+        return output + vector if isinstance(output, torch.Tensor) else (output[0] + vector, *output[1:])
+
+    handle = reference.model.layers[layer].register_forward_hook(hook)
+    tokenizer.padding_side = "left"
+    try:
+        with torch.no_grad():
+            for start in range(0, len(texts), batch):
+                encoded = tokenizer(texts[start : start + batch], return_tensors="pt", padding=True)
+                reference.generate(**encoded, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+    finally:
+        handle.remove()
+
+
+def steered(model, texts, vector, layer, tokens=32, batch=32):
+    for start in range(0, len(texts), batch):
+        with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True) as tracer:
+            for text in texts[start : start + batch]:
+                with tracer.invoke(text):
+                    for _ in tracer.iter[0:tokens]:
+                        model.steer(layer, vector)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="fewer prompts, for a smoke run")
+    args = parser.parse_args()
+    scale = 4 if args.quick else 1
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vlenvoys.weights import smollm2_path
+
+    path = smollm2_path()
+    model = vlenvoys.load(path)
+    rows: list[tuple[str, str, float, str, float, str]] = []
+
+    def row(name, ours_label, ours, base_label, base, unit="prompts/s"):
+        rows.append((name, ours_label, ours, base_label, base, unit))
+        print(f"{name}: {ours_label} {ours:.3g} vs {base_label} {base:.3g} {unit} (ratio {ours / base:.2f})", flush=True)
+
+    try:
+        # 1. Overhead of the envoys: every layer's stream, attention output and neurons.
+        texts = prompts(16 // scale * scale if args.quick else 16)
+        ours = median_time(lambda: traced(model, texts, every_layer_standard), args.repeats)
+        raw = median_time(lambda: traced(model, texts, every_layer_raw), args.repeats)
+        row("1. envoy overhead (every layer, 3 values)", "vlenvoys s", ours, "raw nnsight + clone s", raw, "s")
+
+        # 2. Collection throughput: layer_output at three layers.
+        texts = prompts(256 // scale)
+        plain = len(texts) / median_time(lambda: plain_vllm(model, texts), args.repeats)
+        ours = len(texts) / median_time(lambda: traced(model, texts, three_layers_standard), args.repeats)
+        raw = len(texts) / median_time(lambda: traced(model, texts, three_layers_raw), args.repeats)
+        row("2a. collection vs plain vLLM (no reads)", "vlenvoys", ours, "plain vLLM", plain)
+        row("2b. collection vs raw nnsight", "vlenvoys", ours, "raw nnsight", raw)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        hf = len(texts) / median_time(lambda: transformers_collect(reference, tokenizer, texts), args.repeats)
+        row("2c. collection vs transformers (batch 16)", "vlenvoys", ours, "transformers", hf)
+
+        # 3. Steered generation: 32 tokens, a vector added at one layer every step.
+        texts = prompts(64 // scale)
+        vector = torch.randn(model.hidden_size) * 4
+        ours = len(texts) / median_time(lambda: steered(model, texts, vector, 10), 1)
+        plain = len(texts) / median_time(lambda: plain_vllm(model, texts, 32), 1)
+        hf = len(texts) / median_time(lambda: transformers_steered(reference, tokenizer, texts, vector, 10), 1)
+        row("3a. steered generation vs plain vLLM", "vlenvoys", ours, "plain vLLM (unsteered)", plain)
+        row("3b. steered generation vs transformers", "vlenvoys", ours, "transformers steered", hf)
+
+        # 4. Scaling: prompt count and length; pattern recompute against length.
+        # Count at short prompts, length at few prompts (256 long prompts would take minutes per run).
+        grid = [(16, 16), (64, 16), (256 // scale, 16), (16, 64), (16, 256)]
+        for count, words in grid:
+            texts = prompts(count, words, words, seed=count + words)
+            ours = count / median_time(lambda: traced(model, texts, three_layers_standard), 1)
+            plain = count / median_time(lambda: plain_vllm(model, texts), 1)
+            row(f"4. collection, {count} prompts of {words} words", "vlenvoys", ours, "plain vLLM", plain)
+        for words in (16, 64, 256):
+            texts = prompts(1, words, words)
+            patterns = median_time(
+                lambda: traced(model, texts, lambda m: [layer.self_attn.attention_probabilities for layer in m.layers]),
+                args.repeats,
+            )
+            streams = median_time(lambda: traced(model, texts, three_layers_standard), args.repeats)
+            row(f"4. every layer's pattern, {words} words", "patterns s", patterns, "3 streams s", streams, "s")
+
+        # 5. Memory: peak resident memory of a collection, and 10 rounds.
+        texts = prompts(64 // scale)
+        gc.collect()
+        before = rss_mib()
+        rounds = []
+        for _ in range(10):
+            kept = traced(model, texts, three_layers_standard)
+            rounds.append(rss_mib())
+            del kept
+            gc.collect()
+        row("5. memory after 10 collection rounds", "last round MiB", rounds[-1] - before, "first round MiB", rounds[0] - before, "MiB")
+    finally:
+        vlenvoys.shutdown(model)
+
+    write(args.out, rows)
+
+
+def write(out: Path, rows) -> None:
+    from tabulate import tabulate
+
+    table = tabulate(
+        [(name, f"{a:.3g} ({al})", f"{b:.3g} ({bl})", f"{a / b:.2f}", unit) for name, al, a, bl, b, unit in rows],
+        headers=("benchmark", "vlenvoys", "baseline", "ratio", "unit"),
+        tablefmt="github",
+    )
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB, torch {torch.__version__}"
+    (out / "results.md").write_text(f"Machine: {machine}\n\n{table}\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.5))
+    names = [name for name, *_ in rows]
+    axis.barh(names, [a / b for _, _, a, _, b, _ in rows], color="tab:blue")
+    axis.axvline(1.0, color="black", linewidth=0.8)
+    axis.invert_yaxis()
+    axis.set_xlabel("ratio (vlenvoys / baseline; for seconds and MiB lower is better, for prompts/s higher)")
+    axis.set_title(f"vlenvoys benchmarks ({machine})", fontsize=9)
+    figure.tight_layout()
+    figure.savefig(out / "results.png", dpi=110)
+    print((out / "results.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
