@@ -74,16 +74,6 @@ def test_skip_layer_passes_the_input_on(subject):
     assert not torch.equal(skipped, logits_of(model, prompt))
 
 
-@on_tiny_llama
-def test_project_on_vocab_of_the_last_layer_is_the_logits(subject):
-    model, prompt = subject.model, subject.prompts[1]
-    with model.trace(prompt, temperature=0.0):
-        lens = model.project_on_vocab(model.layers_output[model.num_layers - 1]).save()
-        logits = model.logits.save()
-    assert lens.shape == (1, len(prompt), model.vocab_size)
-    assert (lens[0, -1] - logits.reshape(-1)).abs().max() <= 1e-4
-
-
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
     return testing.tiny_model("LlamaForCausalLM", tmp_path_factory.mktemp("cli"))

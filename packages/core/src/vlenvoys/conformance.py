@@ -564,3 +564,15 @@ def test_support_lists_every_value_with_its_reason(subject):
     assert "prefill only" in support["attention", "attention_probabilities"].note
     assert all(row.available or row.note for row in support), "every unavailable value says why"
     assert "mlp_neurons" in str(support)
+
+
+def test_project_on_vocab_of_the_last_layer_is_the_logits(subject):
+    """The logit lens's last row: final norm, unembedding, final soft cap and scale, as the engine's logits."""
+    model, prompt = subject.model, subject.prompts[1]
+    with model.trace(prompt, temperature=0.0):
+        lens = model.project_on_vocab(model.layers_output[model.num_layers - 1]).save()
+        logits = model.logits.save()
+    assert lens.shape == (1, len(prompt), logits.shape[-1])
+    difference = (lens[0, -1] - logits.reshape(-1)).abs().max().item()
+    record(subject.name, "project_on_vocab(last layer) vs logits", difference)
+    assert difference <= TOLERANCE * max(1.0, logits.abs().max().item())

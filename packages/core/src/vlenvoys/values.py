@@ -177,6 +177,12 @@ class Located(eproperty):
             key, path = key[3:], path.rsplit(".", 1)[0]
         return f"{path}.{key}"
 
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        if obj is None:
+            return self
+        self._check_available(obj)
+        return super().__get__(obj, owner)
+
     def _check_available(self, obj: Any) -> None:
         reason = getattr(obj, "unavailable", _nothing)(self.name)
         if reason is None and self.dynamic is not None:
@@ -196,12 +202,6 @@ class Derived(Located):
     def __init__(self, key: str, *, read_only: str, description: str | None = None, dynamic: Callable | None = None):
         super().__init__(key, description=description, dynamic=dynamic)
         self.read_only = read_only
-
-    def __get__(self, obj: Any, owner: Any = None) -> Any:
-        if obj is None:
-            return self
-        self._check_available(obj)
-        return super().__get__(obj, owner)
 
     def __set__(self, obj: Any, value: Any) -> None:
         raise ReadOnly(f"{self.name} is read-only: {self.read_only}")
@@ -315,12 +315,6 @@ class Flat(Located):
         if tuple(view.shape) == served_shape(current, head_dim) and torch.equal(view.reshape(current.shape), current):
             return raw
         return self.place(obj, raw, unbatched(view, current, self.name, head_dim), current)
-
-    def __get__(self, obj: Any, owner: Any = None) -> Any:
-        if obj is None:
-            return self
-        self._check_available(obj)
-        return super().__get__(obj, owner)
 
     def __set__(self, obj: Any, value: Any) -> None:
         self._check_available(obj)
