@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 import vlenvoys
 from vlenvoys import conformance, oracle, testing
 from vlenvoys.conformance import *  # noqa: F403  (the suite's tests, collected here)
+from vlenvoys.conformance import close
 
 #: transformers Llama weight names -> EXAONE 3's.
 NAMES = (

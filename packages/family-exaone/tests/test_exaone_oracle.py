@@ -1,6 +1,6 @@
-"""The oracle suite (every value, every layer, edits) on EXAONE 4, and what is EXAONE's own:
-the missing pre-sublayer norms, the mid-layer stream inside the block's forward, the logit lens,
-and hybrid sliding/full attention."""
+"""The oracle suite (every value, every layer, edits) on EXAONE 4, and what is EXAONE 4's own:
+the missing pre-sublayer norms, the mid-layer stream inside the block's forward, the block's
+(stream, mid) return, the logit lens, and hybrid sliding/full attention."""
 
 import pytest
 import torch
@@ -10,6 +10,9 @@ import vlenvoys_exaone
 from vlenvoys import testing
 from vlenvoys.conformance import *  # noqa: F403  (the suite's tests, collected here)
 from vlenvoys.conformance import check_edit, close, logits_of, steering_vector
+
+#: The hybrid test model's sliding window (conftest's MODELS).
+WINDOW = 8
 
 MISSING_NORMS = {
     "attention_norm_output": (vlenvoys_exaone.NO_PRE_ATTENTION_NORM, "layer_input"),
@@ -22,12 +25,12 @@ def test_registered_with_its_version():
     assert installed.distribution == "vlenvoys-exaone"
     assert installed.version == vlenvoys_exaone.__version__
     assert installed.family is vlenvoys_exaone.FAMILY
-    assert "Exaone4ForCausalLM" in installed.family.architectures
+    assert set(installed.family.architectures) == {"Exaone4ForCausalLM", "ExaoneForCausalLM"}
 
 
 def test_support_of_a_checkpoint_lists_the_missing_norms_with_what_to_read_instead(tmp_path):
     """From the declarations alone, no engine."""
-    path = testing.tiny_model("Exaone4ForCausalLM", tmp_path / "model", sliding_window=8)
+    path = testing.tiny_model("Exaone4ForCausalLM", tmp_path / "model", sliding_window=WINDOW)
     support = vlenvoys.support(path)
     assert (support.architecture, support.family) == ("Exaone4ForCausalLM", "exaone")
     for name, (reason, instead) in MISSING_NORMS.items():
@@ -101,24 +104,22 @@ def test_logit_lens_of_every_layer_matches_transformers(subject):
 def test_each_layer_attends_with_its_own_window(subject):
     """Sliding layers see the last `window` tokens; full-attention layers (no rotary in a hybrid) see all.
 
-    The values themselves are compared with transformers by the suite; this checks the test models
-    have the layers they are meant to, and that a full layer's pattern reaches past the window.
+    The patterns themselves are compared with transformers by the suite; this checks that the test
+    models have the layers they are meant to, and that a full layer's pattern reaches past the window.
     """
-    config = subject.reference.config
     model, prompt = subject.model, subject.prompts[-1]
     with model.trace(prompt, temperature=0.0):
         patterns = list().save()
         for layer in model.layers:
             patterns.append(layer.self_attn.attention_probabilities)
-    tokens = len(prompt)
-    distance = torch.arange(tokens)[:, None] - torch.arange(tokens)[None, :]
     windows = [subject.window(layer) for layer in range(len(patterns))]
-    if config.sliding_window is None:
-        assert windows == [None] * len(patterns)
-    else:
-        assert windows == [8, None, 8] and config.sliding_window < tokens
+    hybrid = subject.reference.config.sliding_window is not None
+    assert windows == ([WINDOW, None, WINDOW] if hybrid else [None, None, None])
+    tokens = len(prompt)
+    assert WINDOW < tokens
+    distance = torch.arange(tokens)[:, None] - torch.arange(tokens)[None, :]
     for pattern, window in zip(patterns, windows):
-        beyond = pattern[..., distance >= (window or config.sliding_window or 8)]
+        beyond = pattern[..., distance >= WINDOW]
         if window:
             assert torch.all(beyond == 0)
         else:

@@ -31,7 +31,7 @@ PUBLISHED = {
     ),
     "vlenvoys-gpt2": ("GPT2LMHeadModel",),
     "vlenvoys-gemma": ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"),
-    "vlenvoys-exaone": ("Exaone4ForCausalLM",),
+    "vlenvoys-exaone": ("Exaone4ForCausalLM", "ExaoneForCausalLM"),
 }
 
 

@@ -77,7 +77,6 @@ EXAONE4 = Architecture(
 )
 
 
-
 class Exaone3Layer(FusedLayer):
     """``ExaoneDecoderLayer.forward(positions, hidden_states, residual) -> (hidden_states, residual)``."""
 
@@ -92,6 +91,8 @@ class Exaone3Attention(Attention):
 
 
 class Exaone3Mlp(Mlp):
+    """vLLM's ``ExaoneGatedMLP``: ``gate_up_proj``, ``SiluAndMul``, down projection ``c_proj``."""
+
     DOWN = "c_proj"
 
 
