@@ -20,24 +20,25 @@ GEMMA2_LAYOUT = HFLayout(
     }
 )
 
-# 2048 positions: `vlenvoys lens` starts its engine with max_model_len=2048,
-# which vLLM refuses above the model's own maximum.
-LONG = {"max_position_embeddings": 2048}
 #: Windows of 8 tokens (prompts reach 24) on the sliding layers 0 and 2, and a
 #: query scale of 16**-0.5 where head_dim**-0.5 would be 32**-0.5. Gemma 2's soft
 #: caps (attention 5, final 3) are small enough to change scores and logits
 #: (test_gemma_oracle checks that they do); Gemma 3 gets a final cap too.
 MODELS = {
-    "GemmaForCausalLM": ("GemmaForCausalLM", LONG, LLAMA_LAYOUT),
+    "GemmaForCausalLM": ("GemmaForCausalLM", {}, LLAMA_LAYOUT),
     "Gemma2ForCausalLM-window8-caps": (
         "Gemma2ForCausalLM",
-        LONG
-        | {"sliding_window": 8, "query_pre_attn_scalar": 16, "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0},
+        {
+            "sliding_window": 8,
+            "query_pre_attn_scalar": 16,
+            "attn_logit_softcapping": 5.0,
+            "final_logit_softcapping": 3.0,
+        },
         GEMMA2_LAYOUT,
     ),
     "Gemma3ForCausalLM-window8-cap": (
         "Gemma3ForCausalLM",
-        LONG | {"sliding_window": 8, "query_pre_attn_scalar": 16, "final_logit_softcapping": 3.0},
+        {"sliding_window": 8, "query_pre_attn_scalar": 16, "final_logit_softcapping": 3.0},
         GEMMA2_LAYOUT,
     ),
 }

@@ -77,12 +77,12 @@ def test_last_stream_projected_on_the_vocabulary_is_the_logits(subject):
         stream = model.layers[-1].layer_output[:, -1].save()
         projected = model.project_on_vocab(stream).save()
         logits = model.logits.save()
-    assert close(subject, "project_on_vocab(last layer_output)", projected, logits.reshape(projected.shape))
-    assert close(subject, "project_on_vocab(last layer_output)", projected[0], subject.expected(index)["logits"])
+    assert close(subject, "project_on_vocab(last stream) vs vLLM logits", projected, logits.reshape(projected.shape))
+    assert close(subject, "project_on_vocab(last stream)", projected[0], subject.expected(index)["logits"])
     reference = subject.reference
     with torch.no_grad():
         uncapped = reference.lm_head(reference.model.norm(stream))
-    cap = reference.config.final_logit_softcapping if hasattr(reference.config, "final_logit_softcapping") else None
+    cap = getattr(reference.config, "final_logit_softcapping", None)
     if cap:
         assert close(subject, "final soft cap", projected, cap * torch.tanh(uncapped / cap))
         assert projected.abs().max() < cap
