@@ -56,3 +56,16 @@ def test_support_command_needs_an_installed_family(tmp_path):
         assert result.exit_code == 0 and "mlp_activation" in result.output
     else:
         assert isinstance(result.exception, vlenvoys.UnknownArchitecture)
+
+
+@pytest.mark.parametrize("path", ["/nonexistent/model", "./nope"])
+def test_a_missing_checkpoint_is_named(path):
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        vlenvoys.load(path)
+
+
+def test_cli_errors_are_one_line_not_a_traceback():
+    result = CliRunner().invoke(app, ["support", "/nonexistent/model"])
+    assert result.exit_code == 1
+    assert "error: no checkpoint at /nonexistent/model" in result.output
+    assert "Traceback" not in result.output

@@ -121,7 +121,7 @@ RAISED = {
     "hidden size": (vlenvoys.InvalidWrite, r"layer_output: expected shape \[1, 3, "),
     "dtype": (vlenvoys.InvalidWrite, "layer_mid: expected dtype torch.float32, got torch.float16"),
     "device": (vlenvoys.InvalidWrite, "layer_mid: expected a tensor on cpu, got one on meta"),
-    "exception in the block": (RuntimeError, "ZeroDivisionError"),
+    "exception in the block": (ZeroDivisionError, "division by zero"),
     "unavailable value": (vlenvoys.Unavailable, "mlp_activation is unavailable"),
 }
 

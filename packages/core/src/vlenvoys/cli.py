@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -14,6 +16,39 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
 )
+
+@contextlib.contextmanager
+def friendly_errors() -> Iterator[None]:
+    """Print the errors a user can act on as one line, not a traceback."""
+    from vlenvoys.errors import InvalidWrite, ReadOnly, SkipRefused, Unavailable, UnknownArchitecture
+
+    try:
+        yield
+    except (UnknownArchitecture, Unavailable, InvalidWrite, ReadOnly, SkipRefused, FileNotFoundError, ValueError) as error:
+        typer.secho(f"error: {error}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1) from None
+
+
+def checkpoint(model: str | None) -> str:
+    """The checkpoint folder to use, checked before any engine starts (the built-in model when None)."""
+    import vlenvoys
+
+    if model is None:
+        from vlenvoys.weights import smollm2_path
+
+        model = str(smollm2_path())
+    vlenvoys.support(model)  # an unknown architecture or a missing folder is refused here
+    return model
+
+
+def check_layers(model: str, layers: list[int]) -> None:
+    from transformers import AutoConfig
+
+    count = AutoConfig.from_pretrained(model).num_hidden_layers
+    wrong = [layer for layer in layers if not 0 <= layer < count]
+    if wrong:
+        raise ValueError(f"layer {wrong[0]} does not exist: the model has blocks 0 to {count - 1}")
+
 
 Model = Annotated[
     Optional[str],
@@ -38,12 +73,14 @@ def lens(
     from vlenvoys.lens import logit_lens
 
     console = Console()
-    with console.status("starting vLLM (about 30 s on a CPU)"):
-        loaded = vlenvoys.load(model)
-    try:
-        result = logit_lens(loaded, prompt, k=top)
-    finally:
-        vlenvoys.shutdown(loaded)
+    with friendly_errors():
+        model = checkpoint(model)
+        with console.status("starting vLLM (about 30 s on a CPU)"):
+            loaded = vlenvoys.load(model)
+        try:
+            result = logit_lens(loaded, prompt, k=top)
+        finally:
+            vlenvoys.shutdown(loaded)
     console.print(result.table(title=f"logit lens: {prompt!r}"))
     console.print(f"final prediction: {result.top_tokens[-1][0]!r}; heatmap saved to {result.heatmap(out, title=prompt)}")
 
@@ -67,14 +104,17 @@ def patterns(
     import vlenvoys
 
     console = Console()
-    with console.status("starting vLLM (about 30 s on a CPU)"):
-        loaded = vlenvoys.load(model)
-    try:
-        ids = loaded.tokenizer(prompt)["input_ids"]
-        with loaded.trace(ids, temperature=0.0):
-            pattern = loaded.layers[layer].self_attn.attention_probabilities.save()
-    finally:
-        vlenvoys.shutdown(loaded)
+    with friendly_errors():
+        model = checkpoint(model)
+        check_layers(model, [layer])
+        with console.status("starting vLLM (about 30 s on a CPU)"):
+            loaded = vlenvoys.load(model)
+        try:
+            ids = loaded.tokenizer(prompt)["input_ids"]
+            with loaded.trace(ids, temperature=0.0):
+                pattern = loaded.layers[layer].self_attn.attention_probabilities.save()
+        finally:
+            vlenvoys.shutdown(loaded)
     tokens = [repr(loaded.tokenizer.decode([token]))[1:-1] for token in ids]
     heads = pattern.shape[1]
     columns = min(heads, 4)
@@ -107,8 +147,8 @@ def collect(
 ) -> None:
     """Save one value at chosen blocks for every prompt of a file to a safetensors file.
 
-    Tensors are named ``{value}.{layer}.{prompt index}``, each ``[tokens, ...]``
-    for that prompt (the batch axis dropped).
+    Tensors are named VALUE.LAYER.INDEX, INDEX counting the file's non-empty
+    lines from 0; each is that prompt's (tokens, ...) tensor, with no batch axis.
     """
     from rich.console import Console
     from safetensors.torch import save_file
@@ -121,10 +161,17 @@ def collect(
     if value not in owners:
         raise typer.BadParameter(f"{value!r} is not a block value; choose one of {', '.join(owners)}")
     chosen = [int(layer) for layer in layers.split(",")]
-    texts = [line.strip() for line in prompts.read_text().splitlines() if line.strip()]
     console = Console()
-    with console.status("starting vLLM (about 30 s on a CPU)"):
-        loaded = vlenvoys.load(model)
+    with friendly_errors():
+        texts = [line.strip() for line in prompts.read_text().splitlines() if line.strip()]
+        model = checkpoint(model)
+        check_layers(model, chosen)
+        kinds = {"layer": "layer", "self_attn": "attention", "mlp": "mlp"}
+        row = vlenvoys.support(model)[kinds[owners[value]], value]
+        if not row.available:
+            raise vlenvoys.Unavailable(value, "this model", row.note)
+        with console.status("starting vLLM (about 30 s on a CPU)"):
+            loaded = vlenvoys.load(model)
     tensors = {}
     try:
         for start in tqdm(range(0, len(texts), batch), desc="collecting", unit="batch"):
@@ -152,11 +199,8 @@ def support(model: Model = None) -> None:
 
     import vlenvoys
 
-    if model is None:
-        from vlenvoys.weights import smollm2_path
-
-        model = str(smollm2_path())
-    Console().print(vlenvoys.support(model).table())
+    with friendly_errors():
+        Console(width=max(120, Console().width)).print(vlenvoys.support(checkpoint(model)).table())
 
 
 @app.command()

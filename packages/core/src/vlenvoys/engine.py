@@ -134,7 +134,7 @@ class StandardizedVLLM(VLLM):
 
         nnterp's ``steer``: at ``token_positions`` (every position when None),
         in place, inside a trace. On a generation it steers the step it is
-        called for; use ``tracer.all()``/``tracer.iter`` to steer every step.
+        called for; call it in ``for _ in tracer.iter[0:n]:`` to steer every step.
         """
         positions = slice(None) if token_positions is None else token_positions
         for layer in [layers] if isinstance(layers, int) else layers:
@@ -161,6 +161,11 @@ class StandardizedVLLM(VLLM):
         (Gemma 2's final soft cap, Granite's logits scaling). Works inside a
         trace, where vLLM's LM head cannot be called as a module.
         """
+        if self.lm_head.weight.is_meta:
+            raise ValueError(
+                "project_on_vocab runs inside a trace, where the model's weights are (this process holds a "
+                "weightless copy): call it in the trace and .save() the logits"
+            )
         shape = hidden.shape
         normed = self.ln_final(hidden.reshape(-1, shape[-1]))
         if isinstance(normed, tuple):
@@ -237,10 +242,19 @@ def worker_class() -> str:
 
 
 def architectures_of(model: str | os.PathLike) -> list[str]:
-    """The ``architectures`` a local checkpoint's config.json declares."""
-    config = Path(model) / "config.json"
+    """The ``architectures`` a checkpoint's config.json declares.
+
+    Raises:
+        FileNotFoundError: ``model`` names a local path with no checkpoint.
+    """
+    path = Path(model).expanduser()
+    config = path / "config.json"
     if config.is_file():
         return list(json.loads(config.read_text()).get("architectures") or [])
+    if path.exists() or str(model).startswith(("/", ".", "~")) or str(model).count("/") > 1:
+        raise FileNotFoundError(
+            f"no checkpoint at {model}: expected a folder with a config.json (or a hub name such as org/model)"
+        )
     from transformers import AutoConfig
 
     return list(AutoConfig.from_pretrained(str(model)).architectures or [])

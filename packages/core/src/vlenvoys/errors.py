@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import builtins
+
 __all__ = ["DECODE_STEP", "GATED", "ROUTED", "InvalidWrite", "ReadOnly", "SkipRefused", "UnknownArchitecture", "Unavailable"]
 
 #: Scores and patterns are recomputed from one step's queries and keys; on a decode step the
@@ -61,6 +63,15 @@ def reraise(error: RuntimeError) -> None:
     simple = {cls.__name__: cls for cls in (InvalidWrite, ReadOnly, SkipRefused)}
     if name in simple:
         raise simple[name](message) from error
+    # A built-in exception raised in the block (ValueError, NameError, ...) comes
+    # back as its own type too, so `except ValueError` works around a trace.
+    builtin = getattr(builtins, name, None)
+    if isinstance(builtin, type) and issubclass(builtin, Exception) and builtin is not RuntimeError:
+        try:
+            rebuilt = builtin(text)
+        except Exception:
+            return
+        raise rebuilt from error
 
 
 class InvalidWrite(ValueError):

@@ -6,11 +6,19 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from . import errors
 from .envoys import StandardEnvoy
 from .family import Architecture, resolve
 from .values import Derived, Located
 
 __all__ = ["Support", "Row", "support"]
+
+
+#: Layout names (a value's annotation) as shapes: T tokens, H hidden, I intermediate,
+#: n query heads, k key/value heads, d head width.
+SHAPES = {"Residual": "[1, T, H]", "Heads": "[1, T, n|k, d]", "Neurons": "[1, T, I]", "Pattern": "[1, n, T, T]"}
+#: Named reasons by their text, for the `code` column.
+CODES = {getattr(errors, name): name for name in ("DECODE_STEP", "GATED", "ROUTED")}
 
 
 @dataclass(frozen=True)
@@ -19,9 +27,18 @@ class Row:
 
     envoy: str  #: "model", "layer", "attention" or "mlp"
     value: str
-    layout: str
+    layout: str  #: the layout's name (Residual, Heads, Neurons, Pattern)
     available: bool
     note: str  #: the reason it is unavailable, or a restriction ("prefill only")
+
+    @property
+    def shape(self) -> str:
+        return SHAPES.get(self.layout, self.layout)
+
+    @property
+    def code(self) -> str:
+        """The reason's name (GATED, ROUTED, ...) where it is one of vlenvoys' named reasons."""
+        return CODES.get(self.note, "DECODE_STEP" if "prefill only" in self.note else "")
 
 
 @dataclass(frozen=True)
@@ -47,10 +64,10 @@ class Support:
         from rich.table import Table
 
         table = Table(title=f"{self.architecture} ({self.family}): standard values")
-        for column in ("envoy", "value", "layout", "available", "note"):
-            table.add_column(column)
+        for column in ("envoy", "value", "layout", "available", "reason", "note"):
+            table.add_column(column, no_wrap=column in ("value", "layout"))
         for row in self.rows:
-            table.add_row(row.envoy, row.value, row.layout, "yes" if row.available else "no", row.note)
+            table.add_row(row.envoy, row.value, row.shape, "yes" if row.available else "no", row.code, row.note)
         return table
 
     def __str__(self) -> str:

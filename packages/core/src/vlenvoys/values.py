@@ -196,12 +196,32 @@ class Derived(Located):
 
     The decorated stub receives the raw value (a module's ``(args, kwargs)``
     or output) and returns the value. Assigning it raises `ReadOnly`, whose
-    message (``read_only``) says what to edit instead.
+    message (``read_only``) says what to edit instead; so does an in-place
+    edit, when the block moves on (the model never takes the value, so an
+    edit would otherwise vanish without a word).
     """
 
     def __init__(self, key: str, *, read_only: str, description: str | None = None, dynamic: Callable | None = None):
         super().__init__(key, description=description, dynamic=dynamic)
         self.read_only = read_only
+
+    def __call__(self, stub: Callable) -> "Derived":
+        super().__call__(stub)
+        self._preprocess = self._read
+        self._transform = self._refuse_edits
+        return self
+
+    def _read(self, obj: Any, raw: Any) -> torch.Tensor:
+        value = self._stub(obj, raw)
+        # Kept on the served tensor itself: blocks of several requests run interleaved.
+        value._vlenvoys_served = value.clone()
+        return value
+
+    def _refuse_edits(self, obj: Any, view: torch.Tensor, raw: Any) -> Any:
+        original = getattr(view, "_vlenvoys_served", None)
+        if original is not None and not torch.equal(view, original):
+            raise ReadOnly(f"{self.name} is read-only, and an in-place edit does not reach the model: {self.read_only}")
+        return raw
 
     def __set__(self, obj: Any, value: Any) -> None:
         raise ReadOnly(f"{self.name} is read-only: {self.read_only}")
