@@ -9,12 +9,13 @@
 from .engine import StandardizedVLLM, load, shutdown
 from .envoys import Attention, FusedLayer, Layer, Mlp, StandardEnvoy
 from .errors import DECODE_STEP, GATED, ROUTED, InvalidWrite, ReadOnly, SkipRefused, Unavailable, UnknownArchitecture
-from .family import Architecture, Family, InstalledFamily, families
+from .family import BACKBONE_NAMES, Architecture, Family, InstalledFamily, families
 from .support import Support, support
 from .values import Derived, Flat, Heads, Neurons, Pattern, Residual, argument, batched, summed, summed_output, unbatched, with_argument
 from .version import __version__
 
 __all__ = [
+    "BACKBONE_NAMES",
     "DECODE_STEP",
     "GATED",
     "ROUTED",

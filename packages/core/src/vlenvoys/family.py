@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from .envoys import Attention, Layer, Mlp
 from .errors import UnknownArchitecture
 
-__all__ = ["Architecture", "Family", "InstalledFamily", "families", "resolve"]
+__all__ = ["BACKBONE_NAMES", "Architecture", "Family", "InstalledFamily", "families", "resolve"]
 
 GROUP = "vlenvoys.families"
 
@@ -35,6 +35,11 @@ PUBLISHED = {
 }
 
 
+#: The standard names of vLLM's most common layout, a ``model.model`` backbone
+#: (Llama, Qwen, Mistral, Gemma, Granite, EXAONE 4): the default renames.
+BACKBONE_NAMES = {"model.layers": "layers", "model.norm": "ln_final", "model.embed_tokens": "embed_tokens"}
+
+
 @dataclass(frozen=True, eq=False)
 class Architecture:
     """How one vLLM architecture's modules map to the standard envoys and names.
@@ -46,13 +51,14 @@ class Architecture:
         mlp: The envoy class of each block's MLP.
         rename: nnsight ``rename=`` aliases from vLLM's module names to the
             standard ones (``layers``, ``self_attn``, ``mlp``, ``embed_tokens``,
-            ``ln_final``, ``lm_head``), as nnterp renames transformers' modules.
+            ``ln_final``, ``lm_head``), as nnterp renames transformers' modules;
+            `BACKBONE_NAMES` by default.
     """
 
     layer: type[Layer]
     attention: type[Attention] = Attention
     mlp: type[Mlp] = Mlp
-    rename: Mapping[str, str] = field(default_factory=dict)
+    rename: Mapping[str, str] = field(default_factory=lambda: dict(BACKBONE_NAMES))
 
     def envoys(self) -> dict[str, type]:
         """The ``envoys=`` map for nnsight, keyed by standard path suffixes."""

@@ -73,7 +73,6 @@ EXAONE4 = Architecture(
     layer=Exaone4Layer,
     attention=Exaone4Attention,
     mlp=Exaone4Mlp,
-    rename={"model.layers": "layers", "model.norm": "ln_final", "model.embed_tokens": "embed_tokens"},
 )
 
 

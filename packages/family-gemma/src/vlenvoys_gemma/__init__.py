@@ -25,17 +25,15 @@ declared here:
   Gemma 3); the neurons are read at each block's ``down_proj`` input.
 """
 
-from vlenvoys import Architecture, Attention, Family, FusedLayer, Mlp
+from vlenvoys import BACKBONE_NAMES, Architecture, Attention, Family, FusedLayer, Mlp
 
 from .version import __version__
 
 __all__ = ["FAMILY", "Gemma2Attention", "Gemma2Layer", "Gemma2Mlp", "GemmaLayer", "__version__"]
 
-#: vLLM's backbone is ``model.model``; nnterp's names sit on the root.
-RENAME = {"model.layers": "layers", "model.norm": "ln_final", "model.embed_tokens": "embed_tokens"}
 #: Gemma 2 ties its unembedding to the embedding module itself (no ``lm_head``
 #: child), so the embedding carries both names.
-GEMMA2_RENAME = {**RENAME, "model.embed_tokens": ["embed_tokens", "lm_head"]}
+GEMMA2_RENAME = {**BACKBONE_NAMES, "model.embed_tokens": ["embed_tokens", "lm_head"]}
 
 
 class GemmaLayer(FusedLayer):
@@ -69,13 +67,13 @@ FAMILY = Family(
     name="gemma",
     vllm=">=0.32,<0.33",
     architectures={
-        "GemmaForCausalLM": Architecture(layer=GemmaLayer, rename=RENAME),
+        "GemmaForCausalLM": Architecture(layer=GemmaLayer),
         "Gemma2ForCausalLM": Architecture(
             layer=Gemma2Layer, attention=Gemma2Attention, mlp=Gemma2Mlp, rename=GEMMA2_RENAME
         ),
         # Gemma 3's block is Gemma 2's; it has an lm_head (tied by weight, not by module).
         "Gemma3ForCausalLM": Architecture(
-            layer=Gemma2Layer, attention=Gemma2Attention, mlp=Gemma2Mlp, rename=RENAME
+            layer=Gemma2Layer, attention=Gemma2Attention, mlp=Gemma2Mlp
         ),
     },
 )

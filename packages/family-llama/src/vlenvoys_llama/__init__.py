@@ -5,14 +5,12 @@ Every block here is a `vlenvoys.FusedLayer` with vLLM's Llama names
 so the declarations are the architecture names and the standard renames.
 """
 
-from vlenvoys import Architecture, Attention, Family, FusedLayer, Layer, Mlp
+from vlenvoys import BACKBONE_NAMES, Architecture, Attention, Family, FusedLayer, Layer, Mlp
 
 from .version import __version__
 
 __all__ = ["FAMILY", "GraniteAttention", "GraniteLayer", "GraniteMlp", "LlamaLayer", "RoutedMlp", "__version__"]
 
-#: vLLM's backbone is ``model.model``; nnterp's names sit on the root.
-RENAME = {"model.layers": "layers", "model.norm": "ln_final", "model.embed_tokens": "embed_tokens"}
 
 
 class LlamaLayer(FusedLayer):
@@ -42,15 +40,15 @@ class GraniteMlp(Mlp):
     MULTIPLIER = "residual_multiplier"
 
 
-LLAMA = Architecture(layer=LlamaLayer, rename=RENAME)
+LLAMA = Architecture(layer=LlamaLayer)
 # Granite's embedding multiplier is applied before block 0 (token_embeddings is
 # block 0's input), its attention scale is the kernel's, and its logits scaling
 # is the logits processor's: all read where vLLM keeps them, no declaration needed.
-GRANITE = Architecture(layer=GraniteLayer, attention=GraniteAttention, mlp=GraniteMlp, rename=RENAME)
+GRANITE = Architecture(layer=GraniteLayer, attention=GraniteAttention, mlp=GraniteMlp)
 # Every block of the tiny test configs is sparse; a Qwen2-MoE checkpoint with dense
 # blocks (mlp_only_layers) would need those declared gated.
-QWEN2_MOE = Architecture(layer=LlamaLayer, mlp=RoutedMlp, rename=RENAME)
-MIXTRAL = Architecture(layer=LlamaLayer, mlp=RoutedMlp, rename={**RENAME, "block_sparse_moe": "mlp"})
+QWEN2_MOE = Architecture(layer=LlamaLayer, mlp=RoutedMlp)
+MIXTRAL = Architecture(layer=LlamaLayer, mlp=RoutedMlp, rename={**BACKBONE_NAMES, "block_sparse_moe": "mlp"})
 
 FAMILY = Family(
     name="llama",
