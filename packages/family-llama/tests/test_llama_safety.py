@@ -258,3 +258,55 @@ def test_soak_three_hundred_requests(subject):
     record(subject.name, "soak engine RSS growth MiB (req 50->300)", engine_late - engine_early)
     assert client_late - client_early < 100
     assert engine_late - engine_early < 100
+
+
+@pytest.fixture(scope="module")
+def async_engine(tmp_path_factory):
+    """A tiny Llama on vLLM's async engine, where an untraced request can run beside a traced one."""
+    path = testing.tiny_model("LlamaForCausalLM", tmp_path_factory.mktemp("async"))
+    model = vlenvoys.load(str(path), mode="async", max_model_len=256)
+    try:
+        yield model
+    finally:
+        vlenvoys.shutdown(model)
+
+
+def test_a_plain_request_sharing_the_step_is_untouched(async_engine):
+    """An untraced request in flight beside a traced one that edits: its tokens and logprobs are as alone."""
+    import asyncio
+
+    from nnsight.intervention.interleaver import Mediator
+
+    model = async_engine
+    plain_prompt, traced_prompt = [1, 5, 7, 9, 11, 13], [1, 2, 3, 4, 5]
+
+    async def plain_alone():
+        return (await model.generate([plain_prompt], max_tokens=8, temperature=0.0, logprobs=3))[0]
+
+    async def side_by_side(edit: bool):
+        plain = asyncio.create_task(model.generate([plain_prompt], max_tokens=8, temperature=0.0, logprobs=3))
+        await asyncio.sleep(0)  # the plain request is submitted first
+        with model.trace(traced_prompt, temperature=0.0, max_tokens=3) as tracer:
+            steps = list().save()
+            for _ in tracer.iter[0:3]:
+                stream = model.layers[1].layer_output
+                mediator = Mediator.current("batch")
+                steps.append((mediator.batch_group[1], mediator.interleaver.batcher.total))
+                if edit:
+                    stream[:] += 5.0
+        traced = await tracer.backend
+        return (await plain)[0], traced
+
+    async def scenario():
+        return await plain_alone(), await side_by_side(False), await side_by_side(True)
+
+    alone, (plain, traced), (plain_beside_edit, edited) = asyncio.run(scenario())
+    assert any(total > rows for rows, total in traced.saves["steps"]), "the two requests never shared a step"
+
+    def logprobs(output):
+        return [{token: entry.logprob for token, entry in step.items()} for step in output.outputs[0].logprobs]
+
+    for beside in (plain, plain_beside_edit):
+        assert beside.outputs[0].token_ids == alone.outputs[0].token_ids
+        assert logprobs(beside) == logprobs(alone)
+    assert edited.outputs[0].token_ids != traced.outputs[0].token_ids, "the edit must change its own request"
