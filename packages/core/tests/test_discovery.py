@@ -55,7 +55,9 @@ def test_support_command_needs_an_installed_family(tmp_path):
     if any("LlamaForCausalLM" in i.family.architectures for i in vlenvoys.families()):
         assert result.exit_code == 0 and "mlp_activation" in result.output
     else:
-        assert isinstance(result.exception, vlenvoys.UnknownArchitecture)
+        assert result.exit_code == 1
+        assert "error: no installed vlenvoys family declares architecture LlamaForCausalLM" in result.output
+        assert "install vlenvoys-llama" in result.output
 
 
 @pytest.mark.parametrize("path", ["/nonexistent/model", "./nope"])
