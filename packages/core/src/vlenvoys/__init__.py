@@ -6,8 +6,17 @@
         stream = model.layers[10].layer_output.save()     # [1, tokens, hidden]
 """
 
-from .engine import StandardizedVLLM, load, shutdown
-from .envoys import Attention, FusedLayer, Layer, Mlp, StandardEnvoy
+from .engine import StandardizedVLLM, load, on_transformers_backend, shutdown
+from .envoys import (
+    Attention,
+    FusedLayer,
+    Layer,
+    Mlp,
+    StandardEnvoy,
+    TransformersAttention,
+    TransformersLayer,
+    TransformersMlp,
+)
 from .errors import DECODE_STEP, GATED, ROUTED, InvalidWrite, ReadOnly, SkipRefused, Unavailable, UnknownArchitecture
 from .family import BACKBONE_NAMES, Architecture, Family, InstalledFamily, families
 from .support import Support, support
@@ -38,6 +47,9 @@ __all__ = [
     "StandardEnvoy",
     "StandardizedVLLM",
     "Support",
+    "TransformersAttention",
+    "TransformersLayer",
+    "TransformersMlp",
     "Unavailable",
     "UnknownArchitecture",
     "__version__",
@@ -45,6 +57,7 @@ __all__ = [
     "batched",
     "families",
     "load",
+    "on_transformers_backend",
     "shutdown",
     "summed",
     "support",

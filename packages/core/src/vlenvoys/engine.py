@@ -17,7 +17,7 @@ from .errors import reraise
 from .family import Architecture, InstalledFamily, resolve
 from .values import Residual
 
-__all__ = ["StandardizedVLLM", "load"]
+__all__ = ["StandardizedVLLM", "load", "on_transformers_backend"]
 
 #: KV-cache size the CPU engine reserves unless told otherwise: vLLM's default
 #: fraction of a NUMA node is more than a small machine has free.
@@ -227,6 +227,12 @@ class LayerValues:
         return self.model.num_layers
 
 
+def on_transformers_backend(envoy: Any) -> bool:
+    """Whether ``envoy``'s model runs on vLLM's transformers backend, where activations carry the batch axis."""
+    root = envoy.root if hasattr(envoy, "root") else envoy
+    return type(root._module).__name__.startswith("Transformers")
+
+
 def worker_class() -> str:
     """The vLLM worker class for the platform vLLM reports: nnsight's runner on CPU or GPU."""
     from vllm.platforms import current_platform
@@ -281,7 +287,9 @@ def load(model: str | os.PathLike | None = None, **engine_kwargs: Any) -> Standa
 
         model = smollm2_path()
     model = str(model)
-    installed, _, architecture = resolve(architectures_of(model))
+    installed, _, architecture = resolve(
+        architectures_of(model), backend=engine_kwargs.get("model_impl") == "transformers"
+    )
     _cpu_defaults(model, engine_kwargs)
     engine_kwargs.setdefault("enable_prefix_caching", False)
     loaded = StandardizedVLLM(model, dispatch=True, architecture=architecture, **engine_kwargs)

@@ -23,7 +23,17 @@ _PATTERN_READ_ONLY = (
     "to change what a head attends to, or attention_head_outputs to change what it wrote"
 )
 
-__all__ = ["Attention", "Contributing", "FusedLayer", "Layer", "Mlp", "StandardEnvoy"]
+__all__ = [
+    "Attention",
+    "Contributing",
+    "FusedLayer",
+    "Layer",
+    "Mlp",
+    "StandardEnvoy",
+    "TransformersAttention",
+    "TransformersLayer",
+    "TransformersMlp",
+]
 
 
 class StandardEnvoy(Envoy):
@@ -35,6 +45,8 @@ class StandardEnvoy(Envoy):
     """
 
     UNAVAILABLE: ClassVar[Mapping[str, str]] = {}
+    #: Whether this module's activations carry the batch axis (vLLM's transformers backend).
+    BATCHED: ClassVar[bool] = False
 
     @classmethod
     def unavailable(cls, value: str) -> str | None:
@@ -137,7 +149,7 @@ def _skip(layer: Layer, hidden: torch.Tensor, output: Callable[[torch.Tensor], A
     if not isinstance(hidden, torch.Tensor) or hidden.ndim != 3 or tuple(hidden.shape[:2]) != (1, rows):
         shape = list(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
         raise InvalidWrite(f"skip: expected the stream as [1, {rows}, hidden_size], got {shape}")
-    Envoy.skip(layer, output(hidden[0]))
+    Envoy.skip(layer, output(hidden if layer.BATCHED else hidden[0]))
 
 
 class FusedLayer(Layer):
@@ -238,17 +250,17 @@ class Attention(Contributing):
         """The width of one head, from vLLM's attention layer (``head_size``)."""
         return int(self._module.get_submodule(self.KERNEL).head_size)
 
-    @Flat("{KERNEL}.input", select=(0, "query"), heads="head_dim")
+    @Flat("{KERNEL}.input", select=(0, "query"), heads="head_dim", batch=False)
     def attention_queries(self, value) -> Heads:
         """The queries the attention layer receives, [1, tokens, heads, head_dim]: after projection, any query norm and rotary."""
         return value
 
-    @Flat("{KERNEL}.input", select=(1, "key"), heads="head_dim")
+    @Flat("{KERNEL}.input", select=(1, "key"), heads="head_dim", batch=False)
     def attention_keys(self, value) -> Heads:
         """This step's keys as the attention layer receives them, [1, tokens, kv_heads, head_dim]."""
         return value
 
-    @Flat("{KERNEL}.input", select=(2, "value"), heads="head_dim")
+    @Flat("{KERNEL}.input", select=(2, "value"), heads="head_dim", batch=False)
     def attention_values(self, value) -> Heads:
         """This step's values as the attention layer receives them, [1, tokens, kv_heads, head_dim]."""
         return value
@@ -263,7 +275,7 @@ class Attention(Contributing):
         """The attention pattern, [1, heads, query, key], float32: softmax of the scores; prefill only, read-only."""
         return scores(self._module.get_submodule(self.KERNEL), inputs).softmax(-1)
 
-    @Flat("{KERNEL}.output", heads="head_dim")
+    @Flat("{KERNEL}.output", heads="head_dim", batch=False)
     def attention_head_outputs(self, value) -> Heads:
         """Each head's output as the attention layer returns it, [1, tokens, heads, head_dim]."""
         return value
@@ -323,3 +335,35 @@ class Mlp(Contributing):
     def mlp_output(self, value) -> Residual:
         """What the MLP adds to the residual stream, [1, tokens, hidden_size]: its output, after any post-norm and multiplier."""
         return value
+
+
+class TransformersLayer(Layer):
+    """A transformers decoder block run inside vLLM by its transformers backend.
+
+    vLLM's ``model_impl="transformers"`` runs transformers' own modules, so a
+    block is called with the whole stream first and returns it, every
+    activation carries the batch axis (``BATCHED``), and the residual adds
+    are transformers' unfused ones. A family states ``MID`` (the forward's
+    add after the attention, a ``source.`` operation) and any other names.
+    """
+
+    BATCHED = True
+    STREAM = (0, "hidden_states")
+
+
+class TransformersAttention(Attention):
+    """A transformers attention module on vLLM's transformers backend.
+
+    vLLM mounts its attention layer as the module's ``attn`` child and calls it
+    with flat ``[tokens, heads * head_dim]`` queries, keys and values, so the
+    kernel's values are read exactly as on vLLM's own models; the projections
+    around it carry the batch axis.
+    """
+
+    BATCHED = True
+
+
+class TransformersMlp(Mlp):
+    """A transformers MLP on vLLM's transformers backend: activations carry the batch axis."""
+
+    BATCHED = True

@@ -75,11 +75,16 @@ class Family:
             strings, as vLLM's model registry keys them) to their declarations.
         vllm: The vLLM versions the family was verified against, as a PEP 440
             specifier; another installed version loads with a warning.
+        transformers_backend: Declarations for the same architectures run
+            through vLLM's transformers backend (``model_impl="transformers"``):
+            transformers' own modules inside the engine, with transformers'
+            names and ``BATCHED`` envoys.
     """
 
     name: str
     architectures: Mapping[str, Architecture]
     vllm: str = ""
+    transformers_backend: Mapping[str, Architecture] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, eq=False)
@@ -112,8 +117,10 @@ def families() -> list[InstalledFamily]:
     return list(_discover())
 
 
-def resolve(architectures: Iterable[str]) -> tuple[InstalledFamily, str, Architecture]:
+def resolve(architectures: Iterable[str], backend: bool = False) -> tuple[InstalledFamily, str, Architecture]:
     """The installed family that declares one of ``architectures``, and its declarations.
+
+    With ``backend``, the declarations for vLLM's transformers backend.
 
     Raises:
         UnknownArchitecture: no installed family declares any of them; the
@@ -122,9 +129,15 @@ def resolve(architectures: Iterable[str]) -> tuple[InstalledFamily, str, Archite
     architectures = list(architectures or [])
     for name in architectures:
         for installed in _discover():
-            if name in installed.family.architectures:
+            declared = installed.family.transformers_backend if backend else installed.family.architectures
+            if name in declared:
                 _check_vllm(installed)
-                return installed, name, installed.family.architectures[name]
+                return installed, name, declared[name]
+    if backend:
+        raise UnknownArchitecture(
+            f"no installed vlenvoys family declares {' / '.join(architectures)} on vLLM's transformers backend "
+            "(model_impl='transformers'); load it without model_impl to use vLLM's own implementation"
+        )
     packages = sorted({package for name in architectures for package, served in PUBLISHED.items() if name in served})
     installed = ", ".join(f"{i.name} ({', '.join(i.family.architectures)})" for i in _discover()) or "none"
     hint = (

@@ -117,7 +117,8 @@ def support(model: Any) -> Support:
     else:
         architecture: Architecture = model.architecture
         installed = model.family
-        name = next(a for a, declared in installed.family.architectures.items() if declared is architecture)
+        declared = {**installed.family.architectures, **installed.family.transformers_backend}
+        name = next(a for a, each in declared.items() if each is architecture)
     rows = [Row("model", "token_embeddings", "Residual", True, "block 0's stream input")]
     rows += _rows("layer", architecture.layer)
     rows += _rows("attention", architecture.attention)

@@ -77,20 +77,24 @@ def with_argument(inputs: tuple[tuple, dict], slot: Slot, value: Any) -> tuple[t
     raise KeyError(f"the call passed no argument {name!r} (position {index})")
 
 
-def batched(value: torch.Tensor, head_dim: int | None = None) -> torch.Tensor:
+def batched(value: torch.Tensor, head_dim: int | None = None, batch: bool = False) -> torch.Tensor:
     """``[tokens, ...]`` as a private ``[1, tokens, ...]`` copy.
 
     With ``head_dim``, the last axis (``heads * head_dim`` wide) is split into
-    ``[heads, head_dim]``. The copy is the caller's: the model's buffer can be
-    rewritten by the next kernel without touching it.
+    ``[heads, head_dim]``. With ``batch`` the tensor already carries the batch
+    axis (``[1, tokens, ...]``, vLLM's transformers backend) and keeps it. The
+    copy is the caller's: the model's buffer can be rewritten by the next
+    kernel without touching it.
     """
     copy = value.clone()
     if head_dim is not None:
         copy = copy.reshape(*copy.shape[:-1], -1, head_dim)
-    return copy.unsqueeze(0)
+    return copy if batch else copy.unsqueeze(0)
 
 
-def unbatched(value: Any, rows: torch.Tensor, name: str, head_dim: int | None = None) -> torch.Tensor:
+def unbatched(
+    value: Any, rows: torch.Tensor, name: str, head_dim: int | None = None, batch: bool = False
+) -> torch.Tensor:
     """What `batched` served, back as the ``[tokens, ...]`` the model holds.
 
     ``rows`` is the tensor the model holds at that place now; the written
@@ -106,13 +110,13 @@ def unbatched(value: Any, rows: torch.Tensor, name: str, head_dim: int | None = 
         InvalidWrite: ``value`` is not a tensor, or its shape, dtype or device
             differs from what was served.
     """
-    expected = served_shape(rows, head_dim)
+    expected = served_shape(rows, head_dim, batch)
     if not isinstance(value, torch.Tensor):
         raise InvalidWrite(f"{name}: expected a tensor of shape {list(expected)}, got {type(value).__name__}")
     if tuple(value.shape) != expected:
         raise InvalidWrite(
             f"{name}: expected shape {list(expected)} ([1, tokens, ...] for this request's "
-            f"{rows.shape[0]} tokens), got {list(value.shape)}"
+            f"{expected[1]} tokens), got {list(value.shape)}"
         )
     if value.dtype != rows.dtype:
         raise InvalidWrite(f"{name}: expected dtype {rows.dtype}, got {value.dtype}; convert it with .to({rows.dtype})")
@@ -121,11 +125,12 @@ def unbatched(value: Any, rows: torch.Tensor, name: str, head_dim: int | None = 
     return value.reshape(rows.shape)
 
 
-def served_shape(rows: torch.Tensor, head_dim: int | None = None) -> tuple[int, ...]:
+def served_shape(rows: torch.Tensor, head_dim: int | None = None, batch: bool = False) -> tuple[int, ...]:
     """The shape `batched` serves ``rows`` in."""
+    shape = tuple(rows.shape) if batch else (1, *rows.shape)
     if head_dim is None:
-        return (1, *rows.shape)
-    return (1, *rows.shape[:-1], rows.shape[-1] // head_dim, head_dim)
+        return shape
+    return (*shape[:-1], shape[-1] // head_dim, head_dim)
 
 
 class Located(eproperty):
@@ -253,6 +258,10 @@ class Flat(Located):
         factor: A declaration name for a scalar of the model the tensor is
             multiplied by to give the value (a residual multiplier); a written
             value is divided back.
+        batch: Whether the tensor already carries the batch axis, or the name
+            of the envoy's declaration saying so (``BATCHED``: True for the
+            modules of vLLM's transformers backend, whose activations are
+            ``[1, tokens, ...]``; vLLM's own attention kernel stays flat).
         description: One line shown in the envoy's repr.
         dynamic: ``(envoy, location) -> reason | None``, asked before a read
             (see `Located`).
@@ -269,6 +278,7 @@ class Flat(Located):
         select: Slot | int | str | None = None,
         heads: str | None = None,
         factor: str | None = None,
+        batch: bool | str = "BATCHED",
         description: str | None = None,
         dynamic: Callable | None = None,
     ) -> None:
@@ -276,6 +286,7 @@ class Flat(Located):
         self.select = select
         self.heads = heads
         self.factor = factor
+        self.batch = batch
 
     def __call__(self, stub: Callable) -> "Flat":
         super().__call__(stub)
@@ -290,6 +301,9 @@ class Flat(Located):
 
     def _head_dim(self, obj: Any) -> int | None:
         return None if self.heads is None else int(getattr(obj, self.heads))
+
+    def _batch(self, obj: Any) -> bool:
+        return bool(getattr(obj, self.batch, False)) if isinstance(self.batch, str) else self.batch
 
     def _scale(self, obj: Any) -> float:
         return 1.0 if self.factor is None else float(getattr(obj, self.factor))
@@ -324,7 +338,7 @@ class Flat(Located):
     # -- nnsight's three callbacks -------------------------------------------
 
     def _read(self, obj: Any, raw: Any) -> torch.Tensor:
-        value = batched(self.pick(obj, raw), self._head_dim(obj))
+        value = batched(self.pick(obj, raw), self._head_dim(obj), self._batch(obj))
         return self._stub(obj, value)
 
     def _write_back(self, obj: Any, view: torch.Tensor, raw: Any) -> Any:
@@ -332,16 +346,19 @@ class Flat(Located):
         # model back exactly what it had.
         current = self.pick(obj, raw)
         head_dim = self._head_dim(obj)
-        if tuple(view.shape) == served_shape(current, head_dim) and torch.equal(view.reshape(current.shape), current):
+        batch = self._batch(obj)
+        if tuple(view.shape) == served_shape(current, head_dim, batch) and torch.equal(
+            view.reshape(current.shape), current
+        ):
             return raw
-        return self.place(obj, raw, unbatched(view, current, self.name, head_dim), current)
+        return self.place(obj, raw, unbatched(view, current, self.name, head_dim, batch), current)
 
     def __set__(self, obj: Any, value: Any) -> None:
         self._check_available(obj)
         location = self._location(obj)
         raw = Mediator.value(location)
         current = self.pick(obj, raw)
-        new = unbatched(value, current, self.name, self._head_dim(obj))
+        new = unbatched(value, current, self.name, self._head_dim(obj), self._batch(obj))
         Mediator.swap(location, self.place(obj, raw, new, current))
 
 

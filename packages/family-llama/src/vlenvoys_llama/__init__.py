@@ -5,7 +5,18 @@ Every block here is a `vlenvoys.FusedLayer` with vLLM's Llama names
 so the declarations are the architecture names and the standard renames.
 """
 
-from vlenvoys import BACKBONE_NAMES, Architecture, Attention, Family, FusedLayer, Layer, Mlp
+from vlenvoys import (
+    BACKBONE_NAMES,
+    Architecture,
+    Attention,
+    Family,
+    FusedLayer,
+    Layer,
+    Mlp,
+    TransformersAttention,
+    TransformersLayer,
+    TransformersMlp,
+)
 
 from .version import __version__
 
@@ -50,6 +61,17 @@ GRANITE = Architecture(layer=GraniteLayer, attention=GraniteAttention, mlp=Grani
 QWEN2_MOE = Architecture(layer=LlamaLayer, mlp=RoutedMlp)
 MIXTRAL = Architecture(layer=LlamaLayer, mlp=RoutedMlp, rename={**BACKBONE_NAMES, "block_sparse_moe": "mlp"})
 
+class LlamaTransformersLayer(TransformersLayer):
+    """transformers' ``LlamaDecoderLayer`` on vLLM's transformers backend."""
+
+    # transformers' `hidden_states = residual + hidden_states` after the attention.
+    MID = "source.hidden_states_1.output"
+
+
+LLAMA_ON_TRANSFORMERS = Architecture(
+    layer=LlamaTransformersLayer, attention=TransformersAttention, mlp=TransformersMlp
+)
+
 FAMILY = Family(
     name="llama",
     vllm=">=0.32,<0.33",
@@ -64,4 +86,5 @@ FAMILY = Family(
         "MixtralForCausalLM": MIXTRAL,
         "GraniteForCausalLM": GRANITE,
     },
+    transformers_backend={"LlamaForCausalLM": LLAMA_ON_TRANSFORMERS},
 )

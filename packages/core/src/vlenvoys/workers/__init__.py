@@ -43,7 +43,8 @@ class StandardRunner:
         from ..engine import StandardizedVLLM
         from ..family import resolve
 
-        _, _, architecture = resolve(self.model_config.hf_config.architectures)
+        backend = type(self.get_model()).__name__.startswith("Transformers")
+        _, _, architecture = resolve(self.model_config.hf_config.architectures, backend=backend)
         plain = self.nnsight_model
         interleaver = plain.interleaver
         # The plain tree registered every module; a module already registered
