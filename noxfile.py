@@ -9,7 +9,7 @@ import os
 
 import nox
 
-nox.options.sessions = ["core", "family"]
+nox.options.sessions = ["core", "family", "docs"]
 nox.options.default_venv_backend = "venv"  # pip: its configuration is what finds the CPU torch wheel
 
 FAMILIES = ["llama", "gpt2", "gemma", "exaone"]
@@ -62,3 +62,11 @@ def bench(session: nox.Session) -> None:
     install(session, "packages/family-llama", real_model=True)
     session.install("tabulate", "psutil")
     session.run("python", "benchmarks/bench.py", *session.posargs, env=ENV)
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """The documentation site, built from the docstrings into site/."""
+    install(session, "packages/family-llama", "packages/family-gpt2", "packages/family-gemma", "packages/family-exaone")
+    session.install("mkdocs", "mkdocstrings[python]")
+    session.run("mkdocs", "build", "--strict", env=ENV)
