@@ -26,6 +26,8 @@ MODELS = {
         "Exaone4ForCausalLM",
         {"sliding_window": None, "layer_types": ["full_attention"] * 3, "seed": 1},
     ),
+    # Two ranks: q/k norms per head on each rank's heads.
+    "Exaone4ForCausalLM-window8-tp2": ("Exaone4ForCausalLM", {"sliding_window": 8}, {"tensor_parallel_size": 2}),
 }
 
 subject = conformance.subject_fixture(MODELS, EXAONE4_LAYOUT)

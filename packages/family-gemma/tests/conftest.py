@@ -41,6 +41,18 @@ MODELS = {
         {"sliding_window": 8, "query_pre_attn_scalar": 16, "final_logit_softcapping": 3.0},
         GEMMA2_LAYOUT,
     ),
+    # Two ranks: the soft-capped, windowed pattern from each rank's heads; post-norms on reduced outputs.
+    "Gemma2ForCausalLM-window8-caps-tp2": (
+        "Gemma2ForCausalLM",
+        {
+            "sliding_window": 8,
+            "query_pre_attn_scalar": 16,
+            "attn_logit_softcapping": 5.0,
+            "final_logit_softcapping": 3.0,
+        },
+        GEMMA2_LAYOUT,
+        {"tensor_parallel_size": 2},
+    ),
 }
 
 subject = conformance.subject_fixture(MODELS)

@@ -23,6 +23,8 @@ GPT2_LAYOUT = HFLayout(
 MODELS = {
     "GPT2LMHeadModel": ("GPT2LMHeadModel", {}),
     "GPT2LMHeadModel-4layers": ("GPT2LMHeadModel", {"num_hidden_layers": 4, "seed": 1}),
+    # Two ranks: c_attn's heads and c_fc's neurons split, the shared GELU between them.
+    "GPT2LMHeadModel-tp2": ("GPT2LMHeadModel", {}, {"tensor_parallel_size": 2}),
 }
 
 subject = conformance.subject_fixture(MODELS, GPT2_LAYOUT)

@@ -16,6 +16,11 @@ MODELS = {
     # Multipliers far from 1: embedding 8, residual 0.5, attention 0.25, logits scaling 0.5.
     "GraniteForCausalLM": ("GraniteForCausalLM", {}, GRANITE_LAYOUT),
     "SmolLM2": (None, {}),
+    # Tensor parallelism, two ranks of one core each: heads and neurons split across ranks;
+    # one key/value head for two ranks (each rank holds a copy).
+    "LlamaForCausalLM-tp2": ("LlamaForCausalLM", {}, {"tensor_parallel_size": 2}),
+    "Qwen2ForCausalLM-kv1-tp2": ("Qwen2ForCausalLM", {"num_key_value_heads": 1}, {"tensor_parallel_size": 2}),
+    "Qwen2MoeForCausalLM-tp2": ("Qwen2MoeForCausalLM", {}, {"tensor_parallel_size": 2}),
 }
 
 subject = conformance.subject_fixture(MODELS)

@@ -56,6 +56,8 @@ class Subject:
     prompts: list[list[int]]
     layout: HFLayout
     cache: dict = field(default_factory=dict)
+    #: Under tensor parallelism: every value of every prompt read on one rank, for comparison.
+    one_rank: list[dict] | None = None
 
     def expected(self, index: int) -> dict:
         """transformers' values for prompt ``index``, computed once."""
@@ -122,7 +124,9 @@ def subject_fixture(models: dict[str, tuple], layout: HFLayout = oracle.LLAMA_LA
 
     ``models`` maps a test name to ``(architecture, config overrides)`` for
     `vlenvoys.testing.tiny_model`, or to ``(None, {})`` for the built-in
-    SmolLM2, optionally with a third element, the model's own `HFLayout`.
+    SmolLM2, optionally followed by the model's own `HFLayout` and a dict of
+    vLLM engine arguments (``{"tensor_parallel_size": 2}``: the values are
+    then also read on one rank first, for `test_tensor_parallel_matches_one_rank`).
     One engine runs at a time; pytest groups the tests by model.
     """
 
@@ -131,7 +135,9 @@ def subject_fixture(models: dict[str, tuple], layout: HFLayout = oracle.LLAMA_LA
         from transformers import AutoTokenizer
 
         name = request.param
-        architecture, overrides, *own = models[name]
+        architecture, overrides, *rest = models[name]
+        own = next((item for item in rest if isinstance(item, HFLayout)), layout)
+        engine_kwargs = next((item for item in rest if isinstance(item, dict)), {})
         if architecture is None:
             path, texts = weights.smollm2_path(), REAL_PROMPTS
         else:
@@ -140,8 +146,12 @@ def subject_fixture(models: dict[str, tuple], layout: HFLayout = oracle.LLAMA_LA
         tokenizer = AutoTokenizer.from_pretrained(path)
         prompts = [tokenizer(text)["input_ids"] for text in texts]
         reference = oracle.load_reference(path)
-        with oracle.engine(str(path)) as model:
-            yield Subject(name, model, reference, prompts, own[0] if own else layout)
+        one_rank = None
+        if engine_kwargs.get("tensor_parallel_size", 1) > 1:
+            with oracle.engine(str(path)) as model:
+                one_rank = read_all(model, prompts)
+        with oracle.engine(str(path), **engine_kwargs) as model:
+            yield Subject(name, model, reference, prompts, own, one_rank=one_rank)
 
     return subject
 
@@ -234,6 +244,21 @@ def test_two_prompts_in_one_trace(subject):
     saved = read_all(subject.model, [subject.prompts[first], subject.prompts[second]])
     compare(subject, saved[0], first)
     compare(subject, saved[1], second)
+
+
+def test_tensor_parallel_matches_one_rank(subject):
+    """Split across ranks, every value of every prompt equals the one-rank engine's (float32 rounding)."""
+    if subject.one_rank is None:
+        pytest.skip("this engine runs on one rank")
+    for number, (split, whole) in enumerate(zip(read_all(subject.model, subject.prompts), subject.one_rank)):
+        assert split.keys() == whole.keys()
+        for key, value in whole.items():
+            assert split[key].shape == value.shape, (number, key)
+            finite = torch.isfinite(value)
+            assert torch.equal(finite, torch.isfinite(split[key])), (number, key)
+            difference = (split[key][finite] - value[finite]).abs().max().item() if finite.any() else 0.0
+            record(subject.name, f"vs one rank: {key[0] if isinstance(key, tuple) else key}", difference)
+            assert difference <= TOLERANCE * max(1.0, value[finite].abs().max().item()), (number, key)
 
 
 def test_stream_identities(subject):

@@ -15,6 +15,7 @@ from nnsight.modeling.vllm.envoys import parallel_envoys
 
 from .errors import reraise
 from .family import Architecture, InstalledFamily, resolve
+from .parallel import gather_vocab
 from .values import Residual
 
 __all__ = ["StandardizedVLLM", "load", "on_transformers_backend"]
@@ -159,7 +160,8 @@ class StandardizedVLLM(VLLM):
         the unembedding matrix (``lm_head``, the embedding matrix where the two
         are one module), and the logits processor's scale and soft cap
         (Gemma 2's final soft cap, Granite's logits scaling). Works inside a
-        trace, where vLLM's LM head cannot be called as a module.
+        trace, where vLLM's LM head cannot be called as a module, and under
+        tensor parallelism (every rank's vocabulary slice gathered).
         """
         if self.lm_head.weight.is_meta:
             raise ValueError(
@@ -170,7 +172,8 @@ class StandardizedVLLM(VLLM):
         normed = self.ln_final(hidden.reshape(-1, shape[-1]))
         if isinstance(normed, tuple):
             normed = normed[0]
-        logits = normed @ self.lm_head.weight.T
+        # Under tensor parallelism each rank holds a slice of the vocabulary's rows.
+        logits = gather_vocab(normed @ self.lm_head.weight.T, self.vocab_size)
         # In vLLM's LogitsProcessor order: soft cap, then scale.
         processor = getattr(self._module, "logits_processor", None)
         cap = getattr(processor, "soft_cap", None)
@@ -292,7 +295,8 @@ def load(model: str | os.PathLike | None = None, **engine_kwargs: Any) -> Standa
     )
     _cpu_defaults(model, engine_kwargs)
     engine_kwargs.setdefault("enable_prefix_caching", False)
-    loaded = StandardizedVLLM(model, dispatch=True, architecture=architecture, **engine_kwargs)
+    with _cpu_ranks(engine_kwargs.get("tensor_parallel_size", 1)):
+        loaded = StandardizedVLLM(model, dispatch=True, architecture=architecture, **engine_kwargs)
     loaded.family = installed
     return loaded
 
@@ -309,6 +313,39 @@ def _cpu_defaults(model: str, engine_kwargs: dict) -> None:
     config = Path(model) / "config.json"
     settings = json.loads(config.read_text()) if config.is_file() else {}
     engine_kwargs.setdefault("dtype", settings.get("dtype") or settings.get("torch_dtype") or "float32")
+
+
+@contextlib.contextmanager
+def _cpu_ranks(ranks: int) -> Iterator[None]:
+    """Give each CPU rank its own cores while the engine starts, where the user set none.
+
+    vLLM's CPU engine binds one rank per NUMA node and refuses more ranks
+    than nodes; a one-node machine (a laptop, a 2-core CI runner) can still
+    run two ranks with the allowed cores split between them
+    (``VLLM_CPU_OMP_THREADS_BIND="0|1"``). The worker processes inherit the
+    setting; this process's environment is restored afterwards.
+    """
+    from vllm.platforms import current_platform
+
+    name = "VLLM_CPU_OMP_THREADS_BIND"
+    if ranks <= 1 or not current_platform.is_cpu() or os.environ.get(name, "auto") != "auto":
+        yield
+        return
+    from vllm.utils.cpu_resource_utils import get_visible_memory_node
+
+    if len(get_visible_memory_node()) >= ranks:  # vLLM's own binding works: one node per rank
+        yield
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < ranks:
+        raise ValueError(f"tensor_parallel_size={ranks} needs at least {ranks} CPU cores; this process may use {len(cores)}")
+    share = len(cores) // ranks
+    groups = [cores[rank * share : (rank + 1) * share] for rank in range(ranks)]
+    os.environ[name] = "|".join(",".join(map(str, group)) for group in groups)
+    try:
+        yield
+    finally:
+        del os.environ[name]
 
 
 def shutdown(model: VLLM) -> None:

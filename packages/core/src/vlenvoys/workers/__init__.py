@@ -40,16 +40,26 @@ class StandardRunner:
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)
+        from ..collect import serve_private_edits
         from ..engine import StandardizedVLLM
         from ..family import resolve
 
+        # Registrations vlenvoys.collect installs run only on the requests that name them.
+        serve_private_edits(self.nnsight_requests)
+
         backend = type(self.get_model()).__name__.startswith("Transformers")
         _, _, architecture = resolve(self.model_config.hf_config.architectures, backend=backend)
+        from ..parallel import KernelFragments
+
         plain = self.nnsight_model
         interleaver = plain.interleaver
         # The plain tree registered every module; a module already registered
         # would become an alias of the plain envoy instead of getting ours.
         interleaver.envoys.clear()
+        # nnsight's sharding rules plus the attention kernel's heads, recorded
+        # afresh as our tree is built (a no-op on one rank).
+        ranks = self.parallel_config.tensor_parallel_size
+        interleaver.fragments = KernelFragments(max(1, ranks // self.model_config.get_total_num_kv_heads()))
         model = StandardizedVLLM(self.get_model(), interleaver=interleaver, architecture=architecture)
         model.tokenizer = plain.tokenizer
         instrument_sources(model)
