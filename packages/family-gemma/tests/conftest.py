@@ -24,18 +24,15 @@ GEMMA2_LAYOUT = HFLayout(
 #: query scale of 16**-0.5 where head_dim**-0.5 would be 32**-0.5. Gemma 2's soft
 #: caps (attention 5, final 3) are small enough to change scores and logits
 #: (test_gemma_oracle checks that they do); Gemma 3 gets a final cap too.
+GEMMA2_CAPS = {
+    "sliding_window": 8,
+    "query_pre_attn_scalar": 16,
+    "attn_logit_softcapping": 5.0,
+    "final_logit_softcapping": 3.0,
+}
 MODELS = {
     "GemmaForCausalLM": ("GemmaForCausalLM", {}, LLAMA_LAYOUT),
-    "Gemma2ForCausalLM-window8-caps": (
-        "Gemma2ForCausalLM",
-        {
-            "sliding_window": 8,
-            "query_pre_attn_scalar": 16,
-            "attn_logit_softcapping": 5.0,
-            "final_logit_softcapping": 3.0,
-        },
-        GEMMA2_LAYOUT,
-    ),
+    "Gemma2ForCausalLM-window8-caps": ("Gemma2ForCausalLM", GEMMA2_CAPS, GEMMA2_LAYOUT),
     "Gemma3ForCausalLM-window8-cap": (
         "Gemma3ForCausalLM",
         {"sliding_window": 8, "query_pre_attn_scalar": 16, "final_logit_softcapping": 3.0},
@@ -44,12 +41,7 @@ MODELS = {
     # Two ranks: the soft-capped, windowed pattern from each rank's heads; post-norms on reduced outputs.
     "Gemma2ForCausalLM-window8-caps-tp2": (
         "Gemma2ForCausalLM",
-        {
-            "sliding_window": 8,
-            "query_pre_attn_scalar": 16,
-            "attn_logit_softcapping": 5.0,
-            "final_logit_softcapping": 3.0,
-        },
+        GEMMA2_CAPS,
         GEMMA2_LAYOUT,
         {"tensor_parallel_size": 2},
     ),
