@@ -14,6 +14,7 @@ import os
 import platform
 import statistics
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import psutil
 import torch
 
 import vlenvoys
+from vlenvoys.collect import collect
 
 WORDS = (
     "the quick brown fox jumps over a lazy dog while seven tired sailors sing about distant islands "
@@ -46,6 +48,18 @@ def median_time(run: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
+def interleaved(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median seconds of each run, timed in rounds that run each once (after one warm-up round)."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for repeat in range(repeats + 1):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            if repeat:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(seconds) for name, seconds in times.items()}
+
+
 def rss_mib() -> float:
     me = psutil.Process(os.getpid())
     return (me.memory_info().rss + sum(c.memory_info().rss for c in me.children(recursive=True))) / 2**20
@@ -58,6 +72,30 @@ def plain_vllm(model, texts, max_tokens=1):
     from vllm import SamplingParams
 
     model.vllm_entrypoint.generate(texts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
+
+
+def plain_vllm_windowed(model, texts, window=64):
+    """Plain vLLM with at most ``window`` requests in flight, as `collect` submits them."""
+    from vllm import SamplingParams
+
+    engine = model.vllm_entrypoint.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    run = uuid.uuid4().hex[:12]
+    following, in_flight = 0, set()
+    while following < len(texts) or in_flight:
+        while following < len(texts) and len(in_flight) < window:
+            request_id = f"plain.{run}.{following}"
+            engine.add_request(request_id, texts[following], params)
+            in_flight.add(request_id)
+            following += 1
+        for output in engine.step():
+            if output.finished:
+                in_flight.discard(output.request_id)
+
+
+def collected(model, texts, layers=(5, 15, 25), batch=64):
+    """What `vlenvoys collect` runs: one block installed on the engine, ``batch`` prompts in flight."""
+    return collect(model, texts, "layer_output", layers, batch_size=batch)
 
 
 def traced(model, texts, body, max_tokens=1, batch=32):
@@ -144,6 +182,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="fewer prompts, for a smoke run")
+    parser.add_argument("--only", type=int, nargs="+", default=[1, 2, 3, 4, 5], help="benchmark sections to run")
     args = parser.parse_args()
     scale = 4 if args.quick else 1
 
@@ -161,60 +200,73 @@ def main() -> None:
 
     try:
         # 1. Overhead of the envoys: every layer's stream, attention output and neurons.
-        texts = prompts(16 // scale * scale if args.quick else 16)
-        ours = median_time(lambda: traced(model, texts, every_layer_standard), args.repeats)
-        raw = median_time(lambda: traced(model, texts, every_layer_raw), args.repeats)
-        row("1. envoy overhead (every layer, 3 values)", "vlenvoys s", ours, "raw nnsight + clone s", raw, "s")
+        if 1 in args.only:
+            texts = prompts(16)
+            ours = median_time(lambda: traced(model, texts, every_layer_standard), args.repeats)
+            raw = median_time(lambda: traced(model, texts, every_layer_raw), args.repeats)
+            row("1. envoy overhead (every layer, 3 values)", "vlenvoys s", ours, "raw nnsight + clone s", raw, "s")
 
-        # 2. Collection throughput: layer_output at three layers.
-        texts = prompts(256 // scale)
-        plain = len(texts) / median_time(lambda: plain_vllm(model, texts), args.repeats)
-        ours = len(texts) / median_time(lambda: traced(model, texts, three_layers_standard), args.repeats)
-        raw = len(texts) / median_time(lambda: traced(model, texts, three_layers_raw), args.repeats)
-        row("2a. collection vs plain vLLM (no reads)", "vlenvoys", ours, "plain vLLM", plain)
-        row("2b. collection vs raw nnsight", "vlenvoys", ours, "raw nnsight", raw)
         tokenizer = AutoTokenizer.from_pretrained(path)
         reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        hf = len(texts) / median_time(lambda: transformers_collect(reference, tokenizer, texts), args.repeats)
-        row("2c. collection vs transformers (batch 16)", "vlenvoys", ours, "transformers", hf)
+
+        # 2. Collection throughput: layer_output at three layers, as `vlenvoys collect` reads it.
+        if 2 in args.only:
+            texts = prompts(256 // scale)
+            # Interleaved rounds, so that load from elsewhere on the machine hits every contender alike.
+            runs = {
+                "plain": lambda: plain_vllm(model, texts),
+                "window": lambda: plain_vllm_windowed(model, texts),
+                "ours": lambda: collected(model, texts),
+                "raw": lambda: traced(model, texts, three_layers_raw),
+            }
+            rates = {name: len(texts) / seconds for name, seconds in interleaved(runs, args.repeats).items()}
+            ours = rates["ours"]
+            row("2a. collection vs plain vLLM (no reads)", "vlenvoys", ours, "plain vLLM", rates["plain"])
+            row("2b. collection vs raw nnsight trace", "vlenvoys", ours, "raw nnsight", rates["raw"])
+            row("2c. collection vs plain vLLM, 64 in flight", "vlenvoys", ours, "plain vLLM", rates["window"])
+            hf = len(texts) / median_time(lambda: transformers_collect(reference, tokenizer, texts), args.repeats)
+            row("2d. collection vs transformers (batch 16)", "vlenvoys", ours, "transformers", hf)
 
         # 3. Steered generation: 32 tokens, a vector added at one layer every step.
-        texts = prompts(64 // scale)
-        vector = torch.randn(model.hidden_size) * 4
-        ours = len(texts) / median_time(lambda: steered(model, texts, vector, 10), 1)
-        plain = len(texts) / median_time(lambda: plain_vllm(model, texts, 32), 1)
-        hf = len(texts) / median_time(lambda: transformers_steered(reference, tokenizer, texts, vector, 10), 1)
-        row("3a. steered generation vs plain vLLM", "vlenvoys", ours, "plain vLLM (unsteered)", plain)
-        row("3b. steered generation vs transformers", "vlenvoys", ours, "transformers steered", hf)
+        if 3 in args.only:
+            texts = prompts(64 // scale)
+            vector = torch.randn(model.hidden_size) * 4
+            ours = len(texts) / median_time(lambda: steered(model, texts, vector, 10), 1)
+            plain = len(texts) / median_time(lambda: plain_vllm(model, texts, 32), 1)
+            hf = len(texts) / median_time(lambda: transformers_steered(reference, tokenizer, texts, vector, 10), 1)
+            row("3a. steered generation vs plain vLLM", "vlenvoys", ours, "plain vLLM (unsteered)", plain)
+            row("3b. steered generation vs transformers", "vlenvoys", ours, "transformers steered", hf)
 
         # 4. Scaling: prompt count and length; pattern recompute against length.
         # Count at short prompts, length at few prompts (256 long prompts would take minutes per run).
-        grid = [(16, 16), (64, 16), (256 // scale, 16), (16, 64), (16, 256)]
-        for count, words in grid:
-            texts = prompts(count, words, words, seed=count + words)
-            ours = count / median_time(lambda: traced(model, texts, three_layers_standard), 1)
-            plain = count / median_time(lambda: plain_vllm(model, texts), 1)
-            row(f"4. collection, {count} prompts of {words} words", "vlenvoys", ours, "plain vLLM", plain)
-        for words in (16, 64, 256):
-            texts = prompts(1, words, words)
-            patterns = median_time(
-                lambda: traced(model, texts, lambda m: [layer.self_attn.attention_probabilities for layer in m.layers]),
-                args.repeats,
-            )
-            streams = median_time(lambda: traced(model, texts, three_layers_standard), args.repeats)
-            row(f"4. every layer's pattern, {words} words", "patterns s", patterns, "3 streams s", streams, "s")
+        if 4 in args.only:
+            grid = [(16, 16), (64, 16), (256 // scale, 16), (16, 64), (16, 256)]
+            for count, words in grid:
+                texts = prompts(count, words, words, seed=count + words)
+                ours = count / median_time(lambda: collected(model, texts), 1)
+                plain = count / median_time(lambda: plain_vllm(model, texts), 1)
+                row(f"4. collection, {count} prompts of {words} words", "vlenvoys", ours, "plain vLLM", plain)
+            for words in (16, 64, 256):
+                texts = prompts(1, words, words)
+                patterns = median_time(
+                    lambda: traced(model, texts, lambda m: [layer.self_attn.attention_probabilities for layer in m.layers]),
+                    args.repeats,
+                )
+                streams = median_time(lambda: traced(model, texts, three_layers_standard), args.repeats)
+                row(f"4. every layer's pattern, {words} words", "patterns s", patterns, "3 streams s", streams, "s")
 
         # 5. Memory: peak resident memory of a collection, and 10 rounds.
-        texts = prompts(64 // scale)
-        gc.collect()
-        before = rss_mib()
-        rounds = []
-        for _ in range(10):
-            kept = traced(model, texts, three_layers_standard)
-            rounds.append(rss_mib())
-            del kept
+        if 5 in args.only:
+            texts = prompts(64 // scale)
             gc.collect()
-        row("5. memory after 10 collection rounds", "last round MiB", rounds[-1] - before, "first round MiB", rounds[0] - before, "MiB")
+            before = rss_mib()
+            rounds = []
+            for _ in range(10):
+                kept = collected(model, texts)
+                rounds.append(rss_mib())
+                del kept
+                gc.collect()
+            row("5. memory after 10 collection rounds", "last round MiB", rounds[-1] - before, "first round MiB", rounds[0] - before, "MiB")
     finally:
         vlenvoys.shutdown(model)
 

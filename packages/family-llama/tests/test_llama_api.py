@@ -100,7 +100,7 @@ def test_collect_command(tiny_llama, tmp_path):
     out = tmp_path / "values.safetensors"
     result = CliRunner().invoke(
         app,
-        ["collect", str(prompts), "--model", str(tiny_llama), "--layers", "0,2", "--out", str(out), "--batch", "3"],
+        ["collect", str(prompts), str(tiny_llama), "--layers", "0,2", "--out", str(out), "--batch", "3"],
     )
     assert result.exit_code == 0, result.output
     tensors = load_file(str(out))

@@ -6,6 +6,7 @@
         stream = model.layers[10].layer_output.save()     # [1, tokens, hidden]
 """
 
+from .collect import collect
 from .engine import StandardizedVLLM, load, on_transformers_backend, shutdown
 from .envoys import (
     Attention,
@@ -55,6 +56,7 @@ __all__ = [
     "__version__",
     "argument",
     "batched",
+    "collect",
     "families",
     "load",
     "on_transformers_backend",

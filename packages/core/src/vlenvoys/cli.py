@@ -139,31 +139,42 @@ def patterns(
 @app.command()
 def collect(
     prompts: Annotated[Path, typer.Argument(help="A text file with one prompt per line.")],
-    model: Annotated[Optional[str], typer.Option(help="A checkpoint folder; the built-in SmolLM2 when omitted.")] = None,
+    model: Model = None,
     value: Annotated[str, typer.Option(help="A block value: layer_output, layer_mid, attention_output, mlp_neurons, ...")] = "layer_output",
     layers: Annotated[str, typer.Option(help="Comma-separated block indices.")] = "0",
     out: Annotated[Path, typer.Option(help="The safetensors file to write.")] = Path("values.safetensors"),
-    batch: Annotated[int, typer.Option(help="Prompts per trace (each its own request).")] = 16,
+    batch: Annotated[int, typer.Option(min=1, help="Prompts in flight on the engine at once.")] = 64,
 ) -> None:
     """Save one value at chosen blocks for every prompt of a file to a safetensors file.
 
+    The prompts file comes first, the model (optional) second:
+    vlenvoys collect prompts.txt --layers 5,15 (the built-in model), or
+    vlenvoys collect prompts.txt path/to/checkpoint --value mlp_neurons.
+
     Tensors are named VALUE.LAYER.INDEX, INDEX counting the file's non-empty
-    lines from 0; each is that prompt's (tokens, ...) tensor, with no batch axis.
+    lines from 0; each is that prompt's (tokens, ...) tensor, with no batch
+    axis. One block installed on the engine for the run reads them.
     """
     from rich.console import Console
     from safetensors.torch import save_file
     from tqdm import tqdm
 
     import vlenvoys
+    from vlenvoys.collect import collect as collect_values
     from vlenvoys.oracle import VALUES
 
     owners = dict((name, owner) for owner, name in VALUES)
     if value not in owners:
         raise typer.BadParameter(f"{value!r} is not a block value; choose one of {', '.join(owners)}")
-    chosen = [int(layer) for layer in layers.split(",")]
     console = Console()
     with friendly_errors():
+        try:
+            chosen = [int(layer) for layer in layers.split(",")]
+        except ValueError:
+            raise ValueError(f"--layers takes comma-separated block indices, got {layers!r}") from None
         texts = [line.strip() for line in prompts.read_text().splitlines() if line.strip()]
+        if not texts:
+            raise ValueError(f"{prompts} has no prompts (one per line)")
         model = checkpoint(model)
         check_layers(model, chosen)
         kinds = {"layer": "layer", "self_attn": "attention", "mlp": "mlp"}
@@ -172,22 +183,17 @@ def collect(
             raise vlenvoys.Unavailable(value, "this model", row.note)
         with console.status("starting vLLM (about 30 s on a CPU)"):
             loaded = vlenvoys.load(model)
-    tensors = {}
-    try:
-        for start in tqdm(range(0, len(texts), batch), desc="collecting", unit="batch"):
-            group = texts[start : start + batch]
-            with loaded.trace(temperature=0.0, max_tokens=1) as tracer:
-                saved = dict().save()
-                for offset, text in enumerate(group):
-                    with tracer.invoke(text):
-                        for layer in chosen:
-                            block = loaded.layers[layer]
-                            envoy = block if owners[value] == "layer" else getattr(block, owners[value])
-                            saved[(layer, start + offset)] = getattr(envoy, value)[0]
-            for (layer, index), tensor in saved.items():
-                tensors[f"{value}.{layer}.{index}"] = tensor.contiguous()
-    finally:
-        vlenvoys.shutdown(loaded)
+        try:
+            with tqdm(total=len(texts), desc="collecting", unit="prompt") as bar:
+                collected = collect_values(loaded, texts, value, chosen, batch_size=batch, progress=bar.update)
+        finally:
+            vlenvoys.shutdown(loaded)
+    # Keys are VALUE.LAYER; each prompt's tensor is saved without its batch axis.
+    tensors = {
+        f"{key}.{index}": tensor[0].contiguous()
+        for key, values in collected.items()
+        for index, tensor in enumerate(values)
+    }
     save_file(tensors, str(out))
     console.print(f"{len(tensors)} tensors from {len(texts)} prompts saved to {out}")
 

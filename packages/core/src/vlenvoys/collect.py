@@ -1,0 +1,354 @@
+"""Collect standard values of many prompts at the engine's own speed.
+
+A trace ships its block to the engine on every request it makes, so reading
+the same values of a thousand prompts serializes and deserializes the same
+block a thousand times. `collect` installs the block on the engine once
+(nnsight's registration, ``model.edit``), submits the prompts as plain vLLM
+requests that ask for it by name, and takes each request's values off its
+output. The values are the ones a trace reads: the block is written against
+the same envoys, and each request runs its own copy of it over its own rows.
+
+The engine is shared, and nnsight runs a named registration on every request
+that names no edits, other tenants' included. vlenvoys' workers run one named
+with `PRIVATE` only on the requests that name it (`serve_private_edits`), so
+nobody else's request carries this block, its cost or its saves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import uuid
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from nnsight.intervention.interleaver import Mediator
+
+__all__ = ["PRIVATE", "collect", "registered", "serve_private_edits"]
+
+#: Registrations named with this prefix run only on requests that list them in ``edits=[...]``.
+PRIVATE = "vlenvoys-private:"
+#: The block's saved variable: one name no other registration is likely to save under.
+SAVED = "vlenvoys_collected"
+
+#: (layer, owner, value): one read of the block; owner is "layer", "self_attn" or "mlp".
+Read = tuple[int, str, str]
+
+
+def collect(
+    model: Any,
+    prompts: Sequence[str | Sequence[int]],
+    values: str | Sequence[str],
+    layers: int | Sequence[int],
+    *,
+    batch_size: int = 64,
+    progress: Callable[[int], Any] | None = None,
+) -> dict[str, list[torch.Tensor]]:
+    """Read block values of every prompt, with one block installed on the engine.
+
+    Each prompt is one vLLM request of one generated token (greedy), so the
+    values are the prefill's: every position of the prompt. The block reads
+    ``model.layers[layer].<value>`` (``.self_attn.<value>``, ``.mlp.<value>``
+    for the sublayers' values) exactly as a trace does, and it is installed
+    only for the run: it is cleared when this returns or raises (also on
+    KeyboardInterrupt), and requests still in flight are aborted. Nobody
+    else's request runs it; a registration someone installed without a name
+    runs on these requests too (nnsight's rule), and an edit it makes shows in
+    the values.
+
+    Args:
+        model: A model from `vlenvoys.load` on the synchronous engine.
+        prompts: Strings, or lists of token ids, one per request.
+        values: A block value name (``"layer_output"``, ``"attention_output"``,
+            ``"mlp_neurons"``, ...; see `vlenvoys.oracle.VALUES`) or several.
+        layers: A block index or several; negative indices count from the end.
+        batch_size: How many requests are in flight at once; the engine
+            batches those into its steps as it would a plain ``generate``.
+        progress: Called with the number of prompts finished after each
+            engine step that finished some (``tqdm.update`` fits).
+
+    Returns:
+        ``"{value}.{layer}"`` (the layer as a non-negative index) -> one
+        tensor per prompt, in prompt order, each that prompt's private copy in
+        the value's layout: ``[1, tokens, hidden_size]`` for the streams and
+        contributions, ``[1, tokens, heads, head_dim]`` for the heads,
+        ``[1, tokens, intermediate_size]`` for the neurons, ``[1, heads,
+        tokens, tokens]`` for the pattern.
+
+    Raises:
+        TypeError: ``prompts`` is one string, or a prompt is neither a string
+            nor a list of token ids.
+        ValueError: an empty prompt, an unknown value name, a block that does
+            not exist, ``batch_size`` below 1, or a prompt vLLM refuses (longer
+            than the engine's ``max_model_len``), named by its index.
+        Unavailable: a value this model cannot serve (``vlenvoys.support``).
+        NotImplementedError: the engine runs in ``mode="async"``.
+        RuntimeError: the engine has been shut down, or a request came back
+            without values.
+    """
+    prompts = _checked_prompts(prompts)
+    reads = _reads(model, [values] if isinstance(values, str) else list(values), layers)
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    results: dict[str, list[torch.Tensor]] = {f"{value}.{layer}": [] for layer, _, value in reads}
+    if not prompts:
+        return results
+    with registered(model, reads) as name:
+        for saved in _run(model, prompts, name, batch_size, progress):
+            for key, tensors in results.items():
+                tensors.append(saved[key])
+    return results
+
+
+@contextlib.contextmanager
+def registered(model: Any, reads: Sequence[Read]) -> Iterator[str]:
+    """Install the block that saves ``reads`` for requests naming it, for the ``with`` body.
+
+    Yields the registration's name: a request runs the block when its
+    ``SamplingParams.extra_args["nnsight_edits"]`` lists it, and saves
+    ``{"{value}.{layer}": tensor}`` under `SAVED` on its output
+    (``output.saves[SAVED]``). The block is cleared on exit, however the body
+    ends. ``reads`` must be in forward order (`collect` orders them).
+    """
+    _check_engine(model)
+    name = f"{PRIVATE}collect-{uuid.uuid4().hex}"
+    edit = _install(model, list(reads), name)
+    try:
+        yield name
+    except BaseException:
+        _clean_up(model, edit.clear, quietly=True)
+        raise
+    _clean_up(model, edit.clear)
+
+
+def _install(model: Any, reads: list[Read], name: str) -> Any:
+    # Its own function: the block's captured locals (model, reads, name) go to the engine with it.
+    with model.edit(name=name) as (tracer, edit):
+        vlenvoys_collected = dict().save()
+        for layer, owner, value in reads:
+            block = model.layers[layer]
+            envoy = block if owner == "layer" else getattr(block, owner)
+            vlenvoys_collected[f"{value}.{layer}"] = _read_only(envoy, value)
+    return edit
+
+
+def _read_only(envoy: Any, name: str) -> torch.Tensor:
+    """``getattr(envoy, name)`` inside a block, without handing the value back to the model.
+
+    A standard value read in a block is written back when the block moves
+    on, edited or not, and nnsight splices each request's write-back into the
+    step as a copy of the whole step's tensor: with hundreds of requests in one
+    step that is hundreds of copies of every value read. `collect` edits
+    nothing, so it reads through the value's own declaration (the same tensor
+    a trace reads) and hands nothing back.
+    """
+    value = getattr(type(envoy), name)
+    value._check_available(envoy)
+    return value._read(envoy, Mediator.value(value._location(envoy)))
+
+
+def _run(
+    model: Any, prompts: list, name: str, batch_size: int, progress: Callable[[int], Any] | None
+) -> list[dict[str, torch.Tensor]]:
+    """Each prompt's saved values, driving the engine with ``batch_size`` requests in flight."""
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMClientError
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    engine = model.vllm_entrypoint.llm_engine
+    params = SamplingParams(
+        temperature=0.0, max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY, extra_args={"nnsight_edits": [name]}
+    )
+    # A prefix-cached token runs no forward, so its rows would be missing from the values.
+    if hasattr(params, "skip_reading_prefix_cache"):
+        params.skip_reading_prefix_cache = True
+    run = uuid.uuid4().hex[:12]
+    saved: list[dict] = [{}] * len(prompts)
+    in_flight: dict[str, int] = {}
+    following = 0
+
+    def submit() -> None:
+        nonlocal following
+        while following < len(prompts) and len(in_flight) < batch_size:
+            prompt = prompts[following]
+            if not isinstance(prompt, str):
+                prompt = TokensPrompt(prompt_token_ids=prompt)
+            request_id = f"vlenvoys-collect.{run}.{following}"
+            try:
+                engine.add_request(request_id, prompt, params)
+            except VLLMClientError as error:
+                raise ValueError(f"prompt {following}: {error}") from error
+            in_flight[request_id] = following
+            following += 1
+
+    try:
+        submit()
+        while in_flight:
+            if not engine.has_unfinished_requests():
+                raise RuntimeError(f"{len(in_flight)} collect requests left the engine without finishing")
+            finished = 0
+            for output in engine.step():
+                if not output.finished or output.request_id not in in_flight:
+                    continue  # not ours (the synchronous engine has one caller at a time)
+                index = in_flight.pop(output.request_id)
+                saved[index] = _values_of(output, index)
+                finished += 1
+            # Refill first: the engine works on the next step while the caller reports.
+            submit()
+            if finished and progress is not None:
+                progress(finished)
+    except BaseException:
+        unfinished = list(in_flight)
+
+        def abort() -> None:
+            engine.abort_request(unfinished)
+            # An aborted request's output never comes back to be collected, so its
+            # block's state stays on the worker unless it is wound up by name.
+            engine.collective_rpc("collect_nnsight", args=(unfinished, unfinished))
+
+        if unfinished:
+            _clean_up(model, abort, quietly=True)
+        raise
+    return saved
+
+
+def _clean_up(model: Any, cleanup: Callable[[], Any], quietly: bool = False) -> None:
+    """Run ``cleanup`` (calls to the engine), but stop waiting for it if vLLM's engine process exits.
+
+    A Ctrl-C in a terminal reaches vLLM's processes too, and vLLM's synchronous
+    client waits forever for an answer from an engine that has exited; with
+    the engine gone there is nothing left to clean up. ``quietly`` (while an
+    error is on its way up, the one worth seeing) turns an error of
+    ``cleanup`` into a warning; otherwise it is raised here.
+    """
+    resources = getattr(model.vllm_entrypoint.llm_engine.engine_core, "resources", None)
+    done, errors = threading.Event(), []
+
+    def run() -> None:
+        try:
+            cleanup()
+        except BaseException as error:
+            errors.append(error)
+        finally:
+            done.set()
+
+    if resources is None:  # an in-process engine: it cannot exit under us
+        run()
+    else:
+        threading.Thread(target=run, name="vlenvoys-collect-cleanup", daemon=True).start()
+    while not done.wait(0.1):
+        if resources.engine_dead:
+            return
+    if resources is not None and resources.engine_dead:
+        return  # it failed because the engine is gone
+    if errors and quietly:
+        warnings.warn(f"collect could not clean up after the error below: {errors[0]!r}", RuntimeWarning, stacklevel=3)
+    elif errors:
+        raise errors[0]
+
+
+def _values_of(output: Any, index: int) -> dict[str, torch.Tensor]:
+    """The block's values on one finished request's output, or the error it came back with."""
+    values = (getattr(output, "saves", None) or {}).get(SAVED)
+    if values is not None:
+        return values
+    from nnsight.intervention.errors import raise_deferred
+
+    from .errors import reraise
+
+    try:
+        raise_deferred(getattr(output, "nnsight_error", None))
+    except RuntimeError as error:
+        reraise(error)
+        raise
+    raise RuntimeError(f"prompt {index} came back without collected values (request {output.request_id})")
+
+
+def _checked_prompts(prompts: Any) -> list[str | list[int]]:
+    if isinstance(prompts, str):
+        raise TypeError("prompts is a list of prompts, got one string; pass [prompt]")
+    checked = []
+    for index, prompt in enumerate(prompts):
+        if not isinstance(prompt, str):
+            if isinstance(prompt, torch.Tensor):
+                prompt = prompt.tolist()
+            if not isinstance(prompt, Sequence) or not all(isinstance(token, int) for token in prompt):
+                kind = type(prompt).__name__
+                raise TypeError(f"prompt {index} is a {kind}; a prompt is a string or a list of token ids")
+            prompt = list(prompt)
+        if len(prompt) == 0:
+            raise ValueError(f"prompt {index} is empty")
+        checked.append(prompt)
+    return checked
+
+
+def _reads(model: Any, values: list[str], layers: int | Sequence[int]) -> list[Read]:
+    """The block's reads in forward order (by block, then as the block computes them), checked."""
+    from .errors import Unavailable
+    from .oracle import VALUES
+    from .support import support
+
+    owners = {name: owner for owner, name in VALUES}
+    if not values:
+        raise ValueError("no values to collect")
+    for value in values:
+        if value not in owners:
+            raise ValueError(f"{value!r} is not a block value; choose from {', '.join(owners)}")
+    count = len(model.layers)
+    indices = [layers] if isinstance(layers, int) else list(layers)
+    if not indices:
+        raise ValueError("no layers to collect")
+    for layer in indices:
+        if not isinstance(layer, int) or not -count <= layer < count:
+            raise ValueError(f"layer {layer!r} does not exist: the model has blocks 0 to {count - 1}")
+    kinds = {"layer": "layer", "self_attn": "attention", "mlp": "mlp"}
+    served = support(model)
+    for value in values:
+        row = served[kinds[owners[value]], value]
+        if not row.available:
+            block = model.layers[0]
+            envoy = block if owners[value] == "layer" else getattr(block, owners[value])
+            raise Unavailable(value, type(envoy).__name__, row.note)
+    ordered = [(owner, name) for owner, name in VALUES if name in values]
+    return [(layer, owner, name) for layer in sorted({index % count for index in indices}) for owner, name in ordered]
+
+
+def _check_engine(model: Any) -> None:
+    if getattr(model, "_async_engine", False):
+        raise NotImplementedError(
+            "collect drives the synchronous engine; load the model without mode='async' "
+            "(on an async engine, trace the prompts instead)"
+        )
+    if getattr(model, "vllm_entrypoint", None) is None:
+        raise RuntimeError("this model's engine is not running (it was shut down)")
+
+
+def serve_private_edits(requests: Any) -> None:
+    """Worker side: run a registration named `PRIVATE`... only on requests that name it.
+
+    nnsight gives every new request a copy of each registration unless the
+    request lists the edits it wants, so a named one still runs on every
+    request that lists none: another tenant's plain ``generate`` would run
+    `collect`'s block and carry its saves home. ``requests`` is the runner's
+    ``nnsight_requests`` (nnsight's ``Requests``); its ``add`` is wrapped to drop
+    a private registration's copy from each new request that did not ask for it
+    by name, before any block starts. Other registrations keep nnsight's rule.
+    """
+    add = requests.add
+
+    def add_private(new_requests: list, persistent_objects: dict) -> None:
+        add(new_requests, persistent_objects)
+        private = [(rid, name) for rid, name in requests.names.items() if name and name.startswith(PRIVATE)]
+        if not private:
+            return
+        for data in new_requests:
+            request = requests.requests.get(data.req_id)
+            wanted = (getattr(data.sampling_params, "extra_args", None) or {}).get("nnsight_edits") or ()
+            for registration_id, name in private:
+                if request is not None and name not in wanted:
+                    request.copies.pop(registration_id, None)
+
+    requests.add = add_private

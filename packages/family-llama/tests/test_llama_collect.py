@@ -1,0 +1,193 @@
+"""vlenvoys.collect: values read by a block installed on the shared engine, equal to a trace's and transformers'."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vllm import SamplingParams
+from vllm.inputs import TokensPrompt
+
+import vlenvoys
+from vlenvoys.collect import PRIVATE, SAVED, collect, registered
+from vlenvoys.conformance import close
+
+on_tiny_llama = pytest.mark.parametrize("subject", ["LlamaForCausalLM"], indirect=True)
+on_both = pytest.mark.parametrize("subject", ["LlamaForCausalLM", "SmolLM2"], indirect=True)
+
+#: Values of three kinds (stream, contribution, neurons), read at the first and last block.
+VALUES = ["attention_output", "mlp_neurons", "layer_output"]
+
+
+def traced(model, prompts, layers):
+    """The same values read the usual way: one invoke per prompt in one trace."""
+    with model.trace(temperature=0.0, max_tokens=1) as tracer:
+        results = dict().save()
+        for number, prompt in enumerate(prompts):
+            with tracer.invoke(prompt):
+                saved = {}
+                for layer in layers:
+                    block = model.layers[layer]
+                    saved[f"attention_output.{layer}"] = block.self_attn.attention_output.save()
+                    saved[f"mlp_neurons.{layer}"] = block.mlp.mlp_neurons.save()
+                    saved[f"layer_output.{layer}"] = block.layer_output.save()
+                results[number] = saved
+    return [results[number] for number in range(len(prompts))]
+
+
+def installed_private(model) -> list[str]:
+    return [edit.name for edit in model._installed_edits if (edit.name or "").startswith(PRIVATE)]
+
+
+def run_on_engine(model, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict:
+    """Submit several requests at once (so they share steps) and step the engine until all finish."""
+    engine = model.vllm_entrypoint.llm_engine
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), params)
+    finished = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+    return finished
+
+
+def assert_gone_from_the_engine(model, name: str) -> None:
+    """No registration under ``name`` in the client, and none in the worker: a request naming it is refused there."""
+    assert name not in installed_private(model)
+    asking = SamplingParams(temperature=0.0, max_tokens=1, extra_args={"nnsight_edits": [name]})
+    (output,) = run_on_engine(model, {f"asking-{name}": ([1, 5, 7], asking)}).values()
+    assert SAVED not in (getattr(output, "saves", None) or {})
+    assert "no edit is installed under that name" in output.nnsight_error["message"]
+    assert not model.vllm_entrypoint.llm_engine.has_unfinished_requests()
+    assert model.vllm_entrypoint.llm_engine.collective_rpc("nnsight_request_count") == [0]
+
+
+@on_both
+def test_values_equal_transformers_and_the_trace(subject):
+    """Several prompts of different lengths batched into the same steps, each with its own values."""
+    model, prompts = subject.model, subject.prompts
+    layers = [0, model.num_layers - 1]
+    got = collect(model, prompts, VALUES, layers, batch_size=len(prompts))
+    assert sorted(got) == sorted(f"{value}.{layer}" for value in VALUES for layer in layers)
+    by_trace = traced(model, prompts, layers)
+    for index, prompt in enumerate(prompts):
+        expected = subject.expected(index)["values"]
+        for value in VALUES:
+            for layer in layers:
+                tensor = got[f"{value}.{layer}"][index]
+                assert tensor.shape == expected[value][layer].shape, (value, layer, index)
+                assert tensor.shape[:2] == (1, len(prompt))
+                assert torch.equal(tensor, by_trace[index][f"{value}.{layer}"]), (value, layer, index)
+                assert close(subject, f"collect: {value}", tensor, expected[value][layer]), (value, layer, index)
+
+
+@on_tiny_llama
+def test_prompts_as_text_and_a_small_batch(subject):
+    """Text prompts, fewer in flight than there are prompts, and negative layer indices."""
+    from vlenvoys import testing
+
+    model = subject.model
+    got = collect(model, list(testing.PROMPTS), "layer_output", [-1], batch_size=2)
+    last = model.num_layers - 1
+    assert list(got) == [f"layer_output.{last}"]
+    ids = [model.tokenizer(text)["input_ids"] for text in testing.PROMPTS]
+    by_trace = traced(model, ids, [last])
+    for index, tensor in enumerate(got[f"layer_output.{last}"]):
+        assert torch.equal(tensor, by_trace[index][f"layer_output.{last}"]), index
+
+
+@on_tiny_llama
+def test_someone_elses_request_carries_no_saves_and_is_unchanged(subject):
+    model, prompts = subject.model, subject.prompts
+    theirs = SamplingParams(temperature=0.0, max_tokens=4, logprobs=3)
+    alone = run_on_engine(model, {"theirs-alone": (prompts[2], theirs)})["theirs-alone"]
+    with registered(model, [(1, "layer", "layer_output")]) as name:
+        mine = SamplingParams(temperature=0.0, max_tokens=1, extra_args={"nnsight_edits": [name]})
+        outputs = run_on_engine(model, {"theirs": (prompts[2], theirs), "mine": (prompts[3], mine)})
+        # A trace that names no edits is someone else's too.
+        with model.trace(prompts[1], temperature=0.0) as tracer:
+            result = tracer.result.save()
+    assert outputs["mine"].saves[SAVED]["layer_output.1"].shape == (1, len(prompts[3]), subject.hidden_size)
+    for other in (outputs["theirs"], result):
+        assert SAVED not in (getattr(other, "saves", None) or {})
+    assert outputs["theirs"].outputs[0].token_ids == alone.outputs[0].token_ids
+
+    def logprobs(output):
+        return [{token: entry.logprob for token, entry in step.items()} for step in output.outputs[0].logprobs]
+
+    assert logprobs(outputs["theirs"]) == logprobs(alone)
+    assert_gone_from_the_engine(model, name)
+
+
+@on_tiny_llama
+def test_registration_is_gone_after_collect_returns(subject):
+    model = subject.model
+    names = []
+    collect(model, subject.prompts, "layer_output", 0, batch_size=1, progress=lambda _: names.extend(installed_private(model)))
+    assert len(set(names)) == 1
+    assert_gone_from_the_engine(model, names[0])
+
+
+@on_tiny_llama
+def test_registration_is_gone_after_a_prompt_is_refused_midway(subject):
+    model, prompts = subject.model, subject.prompts
+    names = []
+    too_long = prompts[0] * 200  # past the engine's max_model_len (256)
+    with pytest.raises(ValueError, match="prompt 2: .*maximum context length is 256"):
+        collect(model, [prompts[0], prompts[1], too_long, prompts[2]], "layer_output", 0, batch_size=1,
+                progress=lambda _: names.extend(installed_private(model)))
+    assert len(set(names)) == 1, "the registration was installed and values came back before the refusal"
+    assert_gone_from_the_engine(model, names[0])
+    assert len(collect(model, prompts, "layer_output", 0)["layer_output.0"]) == len(prompts)
+
+
+@on_tiny_llama
+def test_registration_is_gone_after_an_interrupt_with_requests_in_flight(subject):
+    model, prompts = subject.model, subject.prompts
+    engine = model.vllm_entrypoint.llm_engine
+    names, unfinished = [], []
+
+    def interrupt(finished):
+        names.extend(installed_private(model))
+        unfinished.append(engine.get_num_unfinished_requests())
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        collect(model, prompts * 4, "layer_output", 0, batch_size=2, progress=interrupt)
+    assert unfinished[0] > 0, "requests were in flight when it was interrupted"
+    assert not engine.has_unfinished_requests(), "and were aborted"
+    assert_gone_from_the_engine(model, names[0])
+    assert len(collect(model, prompts, "layer_output", 0)["layer_output.0"]) == len(prompts)
+
+
+@on_tiny_llama
+@pytest.mark.parametrize(
+    ("arguments", "error", "message"),
+    [
+        ({"layers": 99}, ValueError, "layer 99 does not exist: the model has blocks 0 to 2"),
+        ({"layers": [0, -4]}, ValueError, "layer -4 does not exist"),
+        ({"layers": []}, ValueError, "no layers"),
+        ({"values": "layer_outputs"}, ValueError, "'layer_outputs' is not a block value"),
+        ({"values": "mlp_activation"}, vlenvoys.Unavailable, "this MLP is gated"),
+        ({"prompts": "The sun"}, TypeError, "got one string"),
+        ({"prompts": ["The sun", ""]}, ValueError, "prompt 1 is empty"),
+        ({"prompts": [{"text": "The sun"}]}, TypeError, "prompt 0 is a dict"),
+        ({"batch_size": 0}, ValueError, "batch_size must be at least 1"),
+    ],
+)
+def test_bad_input_is_refused_before_anything_is_installed(subject, arguments, error, message):
+    model = subject.model
+    call = {"prompts": subject.prompts, "values": "layer_output", "layers": 0, **arguments}
+    with pytest.raises(error, match=message):
+        collect(model, call.pop("prompts"), call.pop("values"), call.pop("layers"), **call)
+    assert installed_private(model) == []
+
+
+@on_tiny_llama
+def test_no_prompts_give_empty_lists(subject):
+    assert collect(subject.model, [], ["layer_output", "mlp_output"], [1, 0]) == {
+        "mlp_output.0": [],
+        "layer_output.0": [],
+        "mlp_output.1": [],
+        "layer_output.1": [],
+    }
