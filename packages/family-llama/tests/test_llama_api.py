@@ -74,6 +74,59 @@ def test_skip_layer_passes_the_input_on(subject):
     assert not torch.equal(skipped, logits_of(model, prompt))
 
 
+@on_tiny_llama
+def test_steer_takes_layers_in_any_order(subject):
+    """nnterp sorts the layers; a later block cannot be edited before an earlier one."""
+    model, prompt = subject.model, subject.prompts[2]
+    vector = torch.linspace(-1, 1, subject.hidden_size)
+    backwards = logits_of(model, prompt, lambda m: m.steer([2, 0, -1], vector))
+    forwards = logits_of(model, prompt, lambda m: m.steer([0, 2], vector))
+    assert torch.equal(backwards, forwards)
+    assert not torch.equal(forwards, logits_of(model, prompt))
+
+
+@on_tiny_llama
+def test_next_token_probs_is_the_softmax_of_the_logits(subject):
+    model, prompt = subject.model, subject.prompts[1]
+    with model.trace(prompt, temperature=0.0):
+        logits = model.logits.save()
+        probabilities = model.next_token_probs.save()
+    assert probabilities.shape == (1, subject.reference.config.vocab_size)
+    assert torch.allclose(probabilities, logits.float().softmax(-1))
+    assert abs(probabilities.sum().item() - 1) < 1e-5
+
+
+@on_tiny_llama
+def test_a_block_that_does_not_exist_is_an_index_error(subject):
+    model = subject.model
+    for read in (lambda: model.layers[3].layer_output, lambda: model.layers_output[-4]):
+        with pytest.raises(IndexError, match="blocks 0 to 2"):
+            with model.trace(subject.prompts[0], temperature=0.0):
+                read().save()
+    assert torch.equal(logits_of(model, subject.prompts[0]), logits_of(model, subject.prompts[0]))
+
+
+@on_tiny_llama
+def test_an_out_of_order_read_says_the_order(subject):
+    from nnsight.intervention.interleaver import OutOfOrderError
+
+    model = subject.model
+    with pytest.raises(OutOfOrderError, match="in the order the model computes them"):
+        with model.trace(subject.prompts[1], temperature=0.0):
+            model.layers[2].layer_output.save()
+            model.layers[1].self_attn.attention_probabilities.save()
+
+
+def test_a_stopped_engine_says_so(tiny_llama):
+    import vlenvoys
+
+    model = vlenvoys.load(str(tiny_llama), max_model_len=64)
+    vlenvoys.shutdown(model)
+    with pytest.raises(RuntimeError, match="stopped by vlenvoys.shutdown"):
+        with model.trace("The sun", temperature=0.0):
+            model.logits.save()
+
+
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
     return testing.tiny_model("LlamaForCausalLM", tmp_path_factory.mktemp("cli"))
@@ -100,7 +153,7 @@ def test_collect_command(tiny_llama, tmp_path):
     out = tmp_path / "values.safetensors"
     result = CliRunner().invoke(
         app,
-        ["collect", str(prompts), str(tiny_llama), "--layers", "0,2", "--out", str(out), "--batch", "3"],
+        ["collect", str(prompts), str(tiny_llama), "--layers", "0,-1", "--out", str(out), "--batch", "3"],
     )
     assert result.exit_code == 0, result.output
     tensors = load_file(str(out))
@@ -114,7 +167,17 @@ def test_collect_command(tiny_llama, tmp_path):
     for index, text in enumerate(testing.PROMPTS):
         ids = tokenizer(text)["input_ids"]
         expected = oracle.reference(reference, ids)["values"]["layer_output"]
-        for layer in (0, 2):
+        for layer in (0, 2):  # -1 is saved as block 2
             got = tensors[f"layer_output.{layer}.{index}"]
             assert got.shape == (len(ids), reference.config.hidden_size)
             assert (got - expected[layer][0]).abs().max() <= 1e-4
+
+
+def test_commands_refuse_bad_options_before_starting_vllm(tiny_llama, tmp_path):
+    runner = CliRunner()
+    missing = tmp_path / "no-such-folder" / "lens.png"
+    result = runner.invoke(app, ["lens", str(tiny_llama), "--out", str(missing)])
+    assert result.exit_code == 1 and "there is no folder" in result.output
+    result = runner.invoke(app, ["patterns", str(tiny_llama), "--layer", "-4"])
+    assert result.exit_code == 1 and "blocks 0 to 2" in result.output
+    assert runner.invoke(app, ["lens", str(tiny_llama), "--top", "0"]).exit_code == 2

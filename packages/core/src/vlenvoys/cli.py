@@ -24,7 +24,8 @@ def friendly_errors() -> Iterator[None]:
 
     try:
         yield
-    except (UnknownArchitecture, Unavailable, InvalidWrite, ReadOnly, SkipRefused, FileNotFoundError, ValueError) as error:
+    # OSError: a missing file or folder, or a hub name that cannot be fetched (offline).
+    except (UnknownArchitecture, Unavailable, InvalidWrite, ReadOnly, SkipRefused, OSError, ValueError) as error:
         typer.secho(f"error: {error}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
 
@@ -41,13 +42,21 @@ def checkpoint(model: str | None) -> str:
     return model
 
 
-def check_layers(model: str, layers: list[int]) -> None:
+def check_layers(model: str, layers: list[int]) -> list[int]:
+    """The blocks as non-negative indices (negative ones count from the end), checked before any engine starts."""
     from transformers import AutoConfig
 
     count = AutoConfig.from_pretrained(model).num_hidden_layers
-    wrong = [layer for layer in layers if not 0 <= layer < count]
+    wrong = [layer for layer in layers if not -count <= layer < count]
     if wrong:
         raise ValueError(f"layer {wrong[0]} does not exist: the model has blocks 0 to {count - 1}")
+    return [layer % count for layer in layers]
+
+
+def check_output(path: Path) -> None:
+    """Refuse an output file whose folder does not exist, before any engine starts."""
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"cannot save {path}: there is no folder {path.parent}")
 
 
 Model = Annotated[
@@ -60,7 +69,7 @@ Model = Annotated[
 def lens(
     model: Model = None,
     prompt: Annotated[str, typer.Option(help="The prompt to read.")] = "The Eiffel Tower is located in the city of",
-    top: Annotated[int, typer.Option(help="How many predictions to show per layer.")] = 5,
+    top: Annotated[int, typer.Option(min=1, help="How many predictions to show per layer.")] = 5,
     out: Annotated[Path, typer.Option(help="Where to save the heatmap (PNG).")] = Path("logit_lens.png"),
 ) -> None:
     """The logit lens of a prompt: each layer's top next-token predictions at the last position.
@@ -75,6 +84,7 @@ def lens(
     console = Console()
     with friendly_errors():
         model = checkpoint(model)
+        check_output(out)
         with console.status("starting vLLM (about 30 s on a CPU)"):
             loaded = vlenvoys.load(model)
         try:
@@ -88,7 +98,7 @@ def lens(
 @app.command()
 def patterns(
     model: Model = None,
-    layer: Annotated[int, typer.Option(help="The block whose attention to draw.")] = 0,
+    layer: Annotated[int, typer.Option(help="The block whose attention to draw (negative counts from the end).")] = 0,
     prompt: Annotated[str, typer.Option(help="The prompt to read.")] = "The Eiffel Tower is located in the city of",
     out: Annotated[Path, typer.Option(help="Where to save the heatmaps (PNG).")] = Path("attention_patterns.png"),
 ) -> None:
@@ -106,7 +116,8 @@ def patterns(
     console = Console()
     with friendly_errors():
         model = checkpoint(model)
-        check_layers(model, [layer])
+        (layer,) = check_layers(model, [layer])
+        check_output(out)
         with console.status("starting vLLM (about 30 s on a CPU)"):
             loaded = vlenvoys.load(model)
         try:
@@ -141,7 +152,7 @@ def collect(
     prompts: Annotated[Path, typer.Argument(help="A text file with one prompt per line.")],
     model: Model = None,
     value: Annotated[str, typer.Option(help="A block value: layer_output, layer_mid, attention_output, mlp_neurons, ...")] = "layer_output",
-    layers: Annotated[str, typer.Option(help="Comma-separated block indices.")] = "0",
+    layers: Annotated[str, typer.Option(help="Comma-separated block indices (negative count from the end).")] = "0",
     out: Annotated[Path, typer.Option(help="The safetensors file to write.")] = Path("values.safetensors"),
     batch: Annotated[int, typer.Option(min=1, help="Prompts in flight on the engine at once.")] = 64,
 ) -> None:
@@ -176,7 +187,8 @@ def collect(
         if not texts:
             raise ValueError(f"{prompts} has no prompts (one per line)")
         model = checkpoint(model)
-        check_layers(model, chosen)
+        chosen = check_layers(model, chosen)
+        check_output(out)
         kinds = {"layer": "layer", "self_attn": "attention", "mlp": "mlp"}
         row = vlenvoys.support(model)[kinds[owners[value]], value]
         if not row.available:
@@ -233,6 +245,8 @@ def families() -> None:
 @app.callback()
 def main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show vLLM's own log.")] = False) -> None:
     """Quiet vLLM's start-up log unless asked for."""
+    # vLLM logs to stdout by default; keep stdout for the results (vlenvoys lens > lens.txt).
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     if not verbose:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         logging.getLogger("vllm").setLevel(logging.WARNING)

@@ -51,6 +51,18 @@ class StandardizedVLLM(VLLM):
         self._WORKER_CLS = worker_class()
         return super()._load(repo_id, **kwargs)
 
+    def trace(self, *inputs: Any, **kwargs: Any) -> Any:
+        self._check_running()
+        return super().trace(*inputs, **kwargs)
+
+    def generate(self, *inputs: Any, **kwargs: Any) -> Any:
+        self._check_running()
+        return super().generate(*inputs, **kwargs)
+
+    def _check_running(self) -> None:
+        if getattr(self, "_shut_down", False):
+            raise RuntimeError("this model's engine was stopped by vlenvoys.shutdown: start another with vlenvoys.load")
+
     @staticmethod
     def _collect(mediators: list, outputs: list) -> None:
         try:
@@ -138,9 +150,20 @@ class StandardizedVLLM(VLLM):
         called for; call it in ``for _ in tracer.iter[0:n]:`` to steer every step.
         """
         positions = slice(None) if token_positions is None else token_positions
-        for layer in [layers] if isinstance(layers, int) else layers:
+        # In forward order, as nnterp does: a later block cannot be edited before an earlier one.
+        count = self.num_layers
+        for layer in sorted({layer % count if -count <= layer < 0 else layer for layer in ([layers] if isinstance(layers, int) else layers)}):
             stream = self.layers[layer].layer_output
             stream[:, positions] += factor * steering_vector.to(stream.dtype)
+
+    @property
+    def next_token_probs(self) -> torch.Tensor:
+        """nnterp's next-token distribution: softmax of the last token's logits, ``[1, vocab_size]``, float32.
+
+        Read at nnsight's ``model.logits`` (the logits processor's output, after
+        any soft cap and scale), so it comes after every block's values.
+        """
+        return self.logits.float().softmax(-1)
 
     def skip_layer(self, layer: int, skip_with: torch.Tensor | None = None) -> None:
         """Skip block ``layer``, handing on ``skip_with`` (its input stream when None); see `Layer.skip`."""
@@ -355,6 +378,7 @@ def shutdown(model: VLLM) -> None:
     if core is not None:
         core.shutdown()
     model.vllm_entrypoint = None
+    model._shut_down = True
 
 
 def family_of(model: StandardizedVLLM) -> InstalledFamily:

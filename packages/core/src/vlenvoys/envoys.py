@@ -25,6 +25,7 @@ _PATTERN_READ_ONLY = (
 
 __all__ = [
     "Attention",
+    "Blocks",
     "Contributing",
     "FusedLayer",
     "Layer",
@@ -34,6 +35,19 @@ __all__ = [
     "TransformersLayer",
     "TransformersMlp",
 ]
+
+
+class Blocks(Envoy):
+    """The model's blocks, ``model.layers``: ``model.layers[i]`` is block ``i`` (negative from the end).
+
+    Raises:
+        IndexError: a block that does not exist, with the valid range.
+    """
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, int) and not -len(self) <= key < len(self):
+            raise IndexError(f"block {key} does not exist: the model has blocks 0 to {len(self) - 1}")
+        return super().__getitem__(key)
 
 
 class StandardEnvoy(Envoy):

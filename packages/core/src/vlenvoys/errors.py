@@ -63,6 +63,10 @@ def reraise(error: RuntimeError) -> None:
     simple = {cls.__name__: cls for cls in (InvalidWrite, ReadOnly, SkipRefused)}
     if name in simple:
         raise simple[name](message) from error
+    if name == "OutOfOrderError":
+        from nnsight.intervention.interleaver import OutOfOrderError
+
+        raise OutOfOrderError(f"{message}\n{FORWARD_ORDER}") from error
     # A built-in exception raised in the block (ValueError, NameError, ...) comes
     # back as its own type too, so `except ValueError` works around a trace.
     builtin = getattr(builtins, name, None)
@@ -72,6 +76,15 @@ def reraise(error: RuntimeError) -> None:
         except Exception:
             return
         raise rebuilt from error
+
+
+#: What an out-of-order read is told: the order the model computes the values in.
+FORWARD_ORDER = (
+    "Read and write values in the order the model computes them: token_embeddings, then block 0, 1, ...; "
+    "within a block layer_input, attention_norm_output, the attention's queries, keys, values, scores, "
+    "probabilities, head outputs, premix and attention_output, then layer_mid, mlp_norm_output, mlp_neurons, "
+    "mlp_output, layer_output; logits last. Patch between prompts with two traces (read, then write)."
+)
 
 
 class InvalidWrite(ValueError):

@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from .envoys import Attention, Layer, Mlp
+from .envoys import Attention, Blocks, Layer, Mlp
 from .errors import UnknownArchitecture
 
 __all__ = ["BACKBONE_NAMES", "Architecture", "Family", "InstalledFamily", "families", "resolve"]
@@ -62,7 +62,12 @@ class Architecture:
 
     def envoys(self) -> dict[str, type]:
         """The ``envoys=`` map for nnsight, keyed by standard path suffixes."""
-        return {"layers.*": self.layer, "layers.*.self_attn": self.attention, "layers.*.mlp": self.mlp}
+        return {
+            "layers": Blocks,
+            "layers.*": self.layer,
+            "layers.*.self_attn": self.attention,
+            "layers.*.mlp": self.mlp,
+        }
 
 
 @dataclass(frozen=True, eq=False)

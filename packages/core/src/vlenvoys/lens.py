@@ -57,7 +57,8 @@ class Lens:
         image = axes.imshow(best.numpy(), aspect="auto", cmap="viridis", vmin=0, vmax=1, origin="lower")
         for layer in range(layers):
             for position in range(positions):
-                text = self._decode(int(ids[layer, position]))
+                # repr's escapes keep whitespace tokens ("\n", " ") visible.
+                text = repr(self._decode(int(ids[layer, position])))[1:-1]
                 colour = "black" if best[layer, position] > 0.6 else "white"
                 axes.text(position, layer, text, ha="center", va="center", fontsize=7, color=colour)
         axes.set_xticks(range(positions), [repr(token)[1:-1] for token in self.tokens], rotation=45, ha="right")

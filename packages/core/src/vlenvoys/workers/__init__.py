@@ -43,14 +43,13 @@ class StandardRunner:
         from ..collect import serve_private_edits
         from ..engine import StandardizedVLLM
         from ..family import resolve
+        from ..parallel import KernelFragments
 
         # Registrations vlenvoys.collect installs run only on the requests that name them.
         serve_private_edits(self.nnsight_requests)
 
         backend = type(self.get_model()).__name__.startswith("Transformers")
         _, _, architecture = resolve(self.model_config.hf_config.architectures, backend=backend)
-        from ..parallel import KernelFragments
-
         plain = self.nnsight_model
         interleaver = plain.interleaver
         # The plain tree registered every module; a module already registered
