@@ -12,6 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+from nnsight.modeling.vllm.batching import VLLMBatcher
+
 
 def instrument_sources(model: Any) -> None:
     """Source-instrument every block whose values are read at operations inside its forward.
@@ -35,6 +38,38 @@ def instrument_sources(model: Any) -> None:
                 break
 
 
+class SplicingBatcher(VLLMBatcher):
+    """nnsight's vLLM batcher, without the copy when a block hands back its own rows unchanged.
+
+    Every standard value read in a block is handed back when the block moves
+    on (edited or not: the write-back cannot tell an in-place edit of a view),
+    and nnsight splices each request's rows back into the step by
+    concatenating the whole step's tensor: with many requests in a step that
+    is one full copy per request and value. A block that hands back the very
+    view it was served, edited in place or not, left the step's tensor
+    holding its rows already, so the step's tensor is handed on as it is.
+    """
+
+    def _widen_tensor(self, full: torch.Tensor, group: list, edited: torch.Tensor) -> torch.Tensor:
+        dim = self._token_dim(full)
+        if dim is not None and isinstance(edited, torch.Tensor) and _is_span(full, dim, group, edited):
+            return full
+        return super()._widen_tensor(full, group, edited)
+
+
+def _is_span(full: torch.Tensor, dim: int, group: list, edited: torch.Tensor) -> bool:
+    """Whether ``edited`` is exactly ``full``'s rows of ``group`` (the same memory, not a copy)."""
+    start, size = group
+    span = full.narrow(dim, start, size)
+    return (
+        edited.data_ptr() == span.data_ptr()
+        and edited.shape == span.shape
+        and edited.stride() == span.stride()
+        and edited.dtype == span.dtype
+        and edited.device == span.device
+    )
+
+
 class StandardRunner:
     """Mixin for nnsight's runner: rebuilds its envoy tree with the model's family declarations."""
 
@@ -52,6 +87,7 @@ class StandardRunner:
         _, _, architecture = resolve(self.model_config.hf_config.architectures, backend=backend)
         plain = self.nnsight_model
         interleaver = plain.interleaver
+        interleaver.batcher.__class__ = SplicingBatcher
         # The plain tree registered every module; a module already registered
         # would become an alias of the plain envoy instead of getting ours.
         interleaver.envoys.clear()
