@@ -61,9 +61,27 @@ def interleaved(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str
     return {name: statistics.median(seconds) for name, seconds in times.items()}
 
 
-def rss_mib() -> float:
-    me = psutil.Process(os.getpid())
-    return (me.memory_info().rss + sum(c.memory_info().rss for c in me.children(recursive=True))) / 2**20
+def client_mib() -> float:
+    """Resident memory of this process, where collected values arrive."""
+    return psutil.Process(os.getpid()).memory_info().rss / 2**20
+
+
+def engine_mib(model) -> float:
+    """Resident memory of vLLM's engine and worker processes in use: after a full garbage
+    collection and malloc_trim in the worker (run there by a trace).
+
+    Without them the engine's RSS grows over rounds of plain vLLM too (glibc
+    keeps freed memory in its arenas), and more with nnsight, whose
+    per-request blocks leave reference cycles until Python's next full collection.
+    """
+    if platform.system() == "Linux":
+        with model.trace("trim", temperature=0.0, max_tokens=1):
+            import ctypes
+            import gc
+
+            gc.collect()  # nnsight's per-request blocks leave reference cycles until a full collection
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return sum(child.memory_info().rss for child in psutil.Process(os.getpid()).children(recursive=True)) / 2**20
 
 
 # -- what is timed --------------------------------------------------------------
@@ -198,15 +216,15 @@ def main() -> None:
 
     def row(name, ours_label, ours, base_label, base, unit="prompts/s"):
         rows.append((name, ours_label, ours, base_label, base, unit))
-        print(f"{name}: {ours_label} {ours:.3g} vs {base_label} {base:.3g} {unit} (ratio {ours / base:.2f})", flush=True)
+        print(f"{name}: {ours_label} {ours:.3g} vs {base_label} {base:.3g} {unit} (ratio {ratio(ours, base)})", flush=True)
 
     try:
         # 1. Overhead of the envoys: every layer's stream, attention output and neurons.
         if 1 in args.only:
             texts = prompts(16)
-            ours = median_time(lambda: traced(model, texts, every_layer_standard), args.repeats)
-            raw = median_time(lambda: traced(model, texts, every_layer_raw), args.repeats)
-            row("1. envoy overhead (every layer, 3 values)", "vlenvoys s", ours, "raw nnsight + clone s", raw, "s")
+            runs = {"ours": lambda: traced(model, texts, every_layer_standard), "raw": lambda: traced(model, texts, every_layer_raw)}
+            seconds = interleaved(runs, 3 * args.repeats)
+            row("1. envoy overhead (every layer, 3 values)", "vlenvoys s", seconds["ours"], "raw nnsight + clone s", seconds["raw"], "s")
 
         tokenizer = AutoTokenizer.from_pretrained(path)
         reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -257,18 +275,22 @@ def main() -> None:
                 streams = median_time(lambda: traced(model, texts, three_layers_standard), args.repeats)
                 row(f"4. every layer's pattern, {words} words", "patterns s", patterns, "3 streams s", streams, "s")
 
-        # 5. Memory: peak resident memory of a collection, and 10 rounds.
+        # 5. Memory: growth over 10 rounds, this process (where the values arrive) and vLLM's
+        # processes apart, each against 10 rounds of plain vLLM.
         if 5 in args.only:
             texts = prompts(64 // scale)
-            gc.collect()
-            before = rss_mib()
-            rounds = []
-            for _ in range(10):
-                kept = collected(model, texts)
-                rounds.append(rss_mib())
-                del kept
+            growth = {}
+            for name, run in (("plain", lambda: plain_vllm(model, texts)), ("ours", lambda: collected(model, texts))):
+                run()
                 gc.collect()
-            row("5. memory after 10 collection rounds", "last round MiB", rounds[-1] - before, "first round MiB", rounds[0] - before, "MiB")
+                before = (client_mib(), engine_mib(model))
+                for _ in range(10):
+                    kept = run()
+                    del kept
+                    gc.collect()
+                growth[name] = (client_mib() - before[0], engine_mib(model) - before[1])
+            row("5a. engine memory growth, 10 rounds", "collect MiB", growth["ours"][1], "plain vLLM MiB", growth["plain"][1], "MiB")
+            row("5b. client memory growth, 10 rounds", "collect MiB", growth["ours"][0], "plain vLLM MiB", growth["plain"][0], "MiB")
     finally:
         vlenvoys.shutdown(model)
 
@@ -290,11 +312,16 @@ def add_nnterp(rows: list, measured: dict) -> None:
             rows.append((name, label, value, "nnterp on transformers", nnterp[workload], unit))
 
 
+def ratio(ours: float, base: float) -> str:
+    # A ratio of memory growths near zero, or of opposite signs, says nothing.
+    return f"{ours / base:.2f}" if base > 0 and ours >= 0 else "n/a"
+
+
 def write(out: Path, rows) -> None:
     from tabulate import tabulate
 
     table = tabulate(
-        [(name, f"{a:.3g} ({al})", f"{b:.3g} ({bl})", f"{a / b:.2f}", unit) for name, al, a, bl, b, unit in rows],
+        [(name, f"{a:.3g} ({al})", f"{b:.3g} ({bl})", ratio(a, b), unit) for name, al, a, bl, b, unit in rows],
         headers=("benchmark", "vlenvoys", "baseline", "ratio", "unit"),
         tablefmt="github",
     )
@@ -307,7 +334,7 @@ def write(out: Path, rows) -> None:
 
     figure, axis = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.5))
     names = [name for name, *_ in rows]
-    axis.barh(names, [a / b for _, _, a, _, b, _ in rows], color="tab:blue")
+    axis.barh(names, [a / b if b > 0 and a >= 0 else 0.0 for _, _, a, _, b, _ in rows], color="tab:blue")
     axis.axvline(1.0, color="black", linewidth=0.8)
     axis.invert_yaxis()
     axis.set_xlabel("ratio (vlenvoys / baseline; for seconds and MiB lower is better, for prompts/s higher)")
