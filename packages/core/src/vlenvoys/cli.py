@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Optional
@@ -246,7 +247,12 @@ def families() -> None:
 def main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show vLLM's own log.")] = False) -> None:
     """Quiet vLLM's start-up log unless asked for."""
     # vLLM logs to stdout by default; keep stdout for the results (vlenvoys lens > lens.txt).
+    # The variable reaches vLLM's processes; this one configured its handler on import.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    if os.environ["VLLM_LOGGING_STREAM"] == "ext://sys.stderr":
+        for handler in logging.getLogger("vllm").handlers:
+            if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+                handler.setStream(sys.stderr)
     if not verbose:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         logging.getLogger("vllm").setLevel(logging.WARNING)
