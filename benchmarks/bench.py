@@ -25,28 +25,8 @@ import torch
 import vlenvoys
 from vlenvoys.collect import collect
 
-WORDS = (
-    "the quick brown fox jumps over a lazy dog while seven tired sailors sing about distant islands "
-    "and golden rivers under a pale morning sky full of quiet birds and old stories"
-).split()
-
-
-def prompts(count: int, low: int = 8, high: int = 40, seed: int = 0) -> list[str]:
-    """``count`` prompts of ``low``..``high`` words, deterministic."""
-    generator = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(low, high + 1, (count,), generator=generator).tolist()
-    starts = torch.randint(0, len(WORDS), (count,), generator=generator).tolist()
-    return [" ".join(WORDS[(start + i) % len(WORDS)] for i in range(length)) for start, length in zip(starts, lengths)]
-
-
-def median_time(run: Callable[[], object], repeats: int) -> float:
-    run()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+# This file's own folder is on the path when it runs as a script (`python benchmarks/bench.py`).
+from workloads import median_time, prompts
 
 
 def interleaved(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:

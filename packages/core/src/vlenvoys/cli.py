@@ -47,11 +47,10 @@ def check_layers(model: str, layers: list[int]) -> list[int]:
     """The blocks as non-negative indices (negative ones count from the end), checked before any engine starts."""
     from transformers import AutoConfig
 
+    from vlenvoys.envoys import block_index
+
     count = AutoConfig.from_pretrained(model).num_hidden_layers
-    wrong = [layer for layer in layers if not -count <= layer < count]
-    if wrong:
-        raise ValueError(f"layer {wrong[0]} does not exist: the model has blocks 0 to {count - 1}")
-    return [layer % count for layer in layers]
+    return [block_index(layer, count, error=ValueError, noun="layer") for layer in layers]
 
 
 def check_output(path: Path) -> None:

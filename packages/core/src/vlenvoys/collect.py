@@ -287,6 +287,7 @@ def _checked_prompts(prompts: Any) -> list[str | list[int]]:
 
 def _reads(model: Any, values: list[str], layers: int | Sequence[int]) -> list[Read]:
     """The block's reads in forward order (by block, then as the block computes them), checked."""
+    from .envoys import block_index
     from .errors import Unavailable
     from .oracle import VALUES
     from .support import support
@@ -301,9 +302,7 @@ def _reads(model: Any, values: list[str], layers: int | Sequence[int]) -> list[R
     indices = [layers] if isinstance(layers, int) else list(layers)
     if not indices:
         raise ValueError("no layers to collect")
-    for layer in indices:
-        if not isinstance(layer, int) or not -count <= layer < count:
-            raise ValueError(f"layer {layer!r} does not exist: the model has blocks 0 to {count - 1}")
+    blocks = sorted({block_index(layer, count, error=ValueError, noun="layer") for layer in indices})
     kinds = {"layer": "layer", "self_attn": "attention", "mlp": "mlp"}
     served = support(model)
     for value in values:
@@ -313,7 +312,7 @@ def _reads(model: Any, values: list[str], layers: int | Sequence[int]) -> list[R
             envoy = block if owners[value] == "layer" else getattr(block, owners[value])
             raise Unavailable(value, type(envoy).__name__, row.note)
     ordered = [(owner, name) for owner, name in VALUES if name in values]
-    return [(layer, owner, name) for layer in sorted({index % count for index in indices}) for owner, name in ordered]
+    return [(layer, owner, name) for layer in blocks for owner, name in ordered]
 
 
 def _check_engine(model: Any) -> None:

@@ -13,6 +13,7 @@ import torch
 from nnsight.modeling.vllm import VLLM
 from nnsight.modeling.vllm.envoys import parallel_envoys
 
+from .envoys import block_index
 from .errors import reraise
 from .family import Architecture, InstalledFamily, resolve
 from .parallel import gather_vocab
@@ -148,11 +149,15 @@ class StandardizedVLLM(VLLM):
         nnterp's ``steer``: at ``token_positions`` (every position when None),
         in place, inside a trace. On a generation it steers the step it is
         called for; call it in ``for _ in tracer.iter[0:n]:`` to steer every step.
+
+        Raises:
+            IndexError: a block that does not exist (checked before any block is steered).
         """
         positions = slice(None) if token_positions is None else token_positions
-        # In forward order, as nnterp does: a later block cannot be edited before an earlier one.
         count = self.num_layers
-        for layer in sorted({layer % count if -count <= layer < 0 else layer for layer in ([layers] if isinstance(layers, int) else layers)}):
+        indices = [layers] if isinstance(layers, int) else layers
+        # In forward order, as nnterp does: a later block cannot be edited before an earlier one.
+        for layer in sorted({block_index(layer, count) for layer in indices}):
             stream = self.layers[layer].layer_output
             stream[:, positions] += factor * steering_vector.to(stream.dtype)
 

@@ -34,19 +34,44 @@ __all__ = [
     "TransformersAttention",
     "TransformersLayer",
     "TransformersMlp",
+    "block_index",
 ]
+
+
+def block_index(layer: Any, count: int, *, error: type[Exception] = IndexError, noun: str = "block") -> int:
+    """``layer`` as a non-negative block index; a negative one counts from the end, as in Python.
+
+    Args:
+        layer: The index given: an int (not a bool).
+        count: How many blocks the model has.
+        error: The exception to raise for an index out of range.
+        noun: What the message calls the index (``"block"``, ``"layer"``).
+
+    Returns:
+        The index in ``range(count)``.
+
+    Raises:
+        TypeError: ``layer`` is not an int, or is a bool.
+        error: ``layer`` is out of range, as "block 5 does not exist: the model has blocks 0 to 2".
+    """
+    if isinstance(layer, bool) or not isinstance(layer, int):
+        raise TypeError(f"{noun} {layer!r} is a {type(layer).__name__}; a {noun} is an int")
+    if not -count <= layer < count:
+        raise error(f"{noun} {layer} does not exist: the model has blocks 0 to {count - 1}")
+    return layer % count
 
 
 class Blocks(Envoy):
     """The model's blocks, ``model.layers``: ``model.layers[i]`` is block ``i`` (negative from the end).
 
     Raises:
-        IndexError: a block that does not exist, with the valid range.
+        IndexError: a block that does not exist, with the valid range (see `block_index`).
+        TypeError: a bool index.
     """
 
     def __getitem__(self, key: Any) -> Any:
-        if isinstance(key, int) and not -len(self) <= key < len(self):
-            raise IndexError(f"block {key} does not exist: the model has blocks 0 to {len(self) - 1}")
+        if isinstance(key, int):
+            key = block_index(key, len(self))
         return super().__getitem__(key)
 
 

@@ -100,13 +100,17 @@ class KernelFragments(VLLMFragments):
                 self.kernels.add(location)
             self.enabled = True
 
+    def _kernel_inputs(self) -> tuple[tuple[Slot, int], ...]:
+        """The kernel's query, key and value arguments, each with how many consecutive ranks hold the same heads."""
+        return ((QUERY, 1), (KEY, self.kv_replicas), (VALUE, self.kv_replicas))
+
     def whole(self, location: str, value: Any) -> tuple[Any, Any]:
         if location not in self.kernels:
             return super().whole(location, value)
         if location.endswith(".output"):
             return self._gather(value), lambda whole: self.split(location, whole)
         inputs = value
-        for slot, replicas in ((QUERY, 1), (KEY, self.kv_replicas), (VALUE, self.kv_replicas)):
+        for slot, replicas in self._kernel_inputs():
             piece = argument(inputs, slot)
             if isinstance(piece, torch.Tensor):
                 inputs = with_argument(inputs, slot, self._gather(piece, replicas))
@@ -119,7 +123,7 @@ class KernelFragments(VLLMFragments):
         if location.endswith(".output"):
             return split_heads(whole, rank, ranks)
         inputs = whole
-        for slot, replicas in ((QUERY, 1), (KEY, self.kv_replicas), (VALUE, self.kv_replicas)):
+        for slot, replicas in self._kernel_inputs():
             tensor = argument(inputs, slot)
             if isinstance(tensor, torch.Tensor):
                 inputs = with_argument(inputs, slot, split_heads(tensor, rank, ranks, replicas))
