@@ -39,23 +39,3 @@ def test_every_package_is_its_own_versioned_distribution():
             entry = project["project"]["entry-points"]["vlenvoys.families"]
             assert list(entry) == [folder.removeprefix("family-")]
 
-
-def test_benchmark_prompts_are_torchs_draws_made_without_torch():
-    """benchmarks/workloads.py (shared with the nnterp environment) draws as torch.Generator(seed) did."""
-    import importlib.util
-
-    import torch
-
-    spec = importlib.util.spec_from_file_location("workloads", ROOT / "benchmarks" / "workloads.py")
-    workloads = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(workloads)
-    words = workloads.WORDS
-    for count, low, high, seed in ((16, 8, 40, 0), (64, 16, 16, 80), (300, 1, 1000, 2**40 + 3)):
-        generator = torch.Generator().manual_seed(seed)
-        lengths = torch.randint(low, high + 1, (count,), generator=generator).tolist()
-        starts = torch.randint(0, len(words), (count,), generator=generator).tolist()
-        expected = [
-            " ".join(words[(start + i) % len(words)] for i in range(length))
-            for start, length in zip(starts, lengths, strict=True)
-        ]
-        assert workloads.prompts(count, low, high, seed) == expected
