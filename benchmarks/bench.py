@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import statistics
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -62,6 +63,31 @@ def engine_mib(model) -> float:
             gc.collect()  # nnsight's per-request blocks leave reference cycles until a full collection
             ctypes.CDLL("libc.so.6").malloc_trim(0)
     return sum(child.memory_info().rss for child in psutil.Process(os.getpid()).children(recursive=True)) / 2**20
+
+
+class PeakRSS:
+    """The largest resident memory of this process and vLLM's, sampled every 5 ms while in the block (MiB)."""
+
+    def __enter__(self) -> "PeakRSS":
+        self.peak, self._done = 0.0, threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        me = psutil.Process(os.getpid())
+        while True:
+            try:
+                total = sum(p.memory_info().rss for p in (me, *me.children(recursive=True)))
+            except psutil.NoSuchProcess:
+                continue
+            self.peak = max(self.peak, total / 2**20)
+            if self._done.wait(0.005):
+                return
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
 
 
 # -- what is timed --------------------------------------------------------------
@@ -255,22 +281,32 @@ def main() -> None:
                 streams = median_time(lambda: traced(model, texts, three_layers_standard), args.repeats)
                 row(f"4. every layer's pattern, {words} words", "patterns s", patterns, "3 streams s", streams, "s")
 
-        # 5. Memory: growth over 10 rounds, this process (where the values arrive) and vLLM's
-        # processes apart, each against 10 rounds of plain vLLM.
+        # 5. Memory, this process (where the values arrive) and vLLM's processes apart, against
+        # plain vLLM submitting the same prompts the same way (64 in flight). Both first run 20
+        # warm-up rounds: step shapes vary with the window, and the engine's RSS climbs with
+        # each new one before it levels off (plain vLLM too); then 10 rounds are measured.
         if 5 in args.only:
             texts = prompts(64 // scale)
-            growth = {}
-            for name, run in (("plain", lambda: plain_vllm(model, texts)), ("ours", lambda: collected(model, texts))):
-                run()
+            growth, warm_up, peak = {}, {}, {}
+            contenders = (("plain", lambda: plain_vllm_windowed(model, texts)), ("ours", lambda: collected(model, texts)))
+            for name, run in contenders:
+                start = engine_mib(model)
+                for _ in range(20):
+                    run()
                 gc.collect()
                 before = (client_mib(), engine_mib(model))
+                warm_up[name] = before[1] - start
                 for _ in range(10):
-                    kept = run()
+                    with PeakRSS() as sampled:
+                        kept = run()
                     del kept
                     gc.collect()
+                    peak[name] = max(peak.get(name, 0.0), sampled.peak - before[0] - before[1])
                 growth[name] = (client_mib() - before[0], engine_mib(model) - before[1])
             row("5a. engine memory growth, 10 rounds", "collect MiB", growth["ours"][1], "plain vLLM MiB", growth["plain"][1], "MiB")
             row("5b. client memory growth, 10 rounds", "collect MiB", growth["ours"][0], "plain vLLM MiB", growth["plain"][0], "MiB")
+            row("5c. engine memory, 20 warm-up rounds", "collect MiB", warm_up["ours"], "plain vLLM MiB", warm_up["plain"], "MiB")
+            row("5d. peak memory above idle, one round", "collect MiB", peak["ours"], "plain vLLM MiB", peak["plain"], "MiB")
     finally:
         vlenvoys.shutdown(model)
 

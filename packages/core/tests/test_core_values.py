@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from vlenvoys import InvalidWrite, argument, batched, unbatched, with_argument
-from vlenvoys.values import _Summed, _SummedOutput, served_shape
+from vlenvoys.values import _Summed, _SummedOutput, edited, served_shape
 
 
 def test_argument_reads_positional_and_keyword():
@@ -32,6 +32,19 @@ def test_batched_is_a_private_copy_with_a_batch_axis():
     assert served.shape == (1, 3, 4)
     rows.zero_()  # the model's next kernel rewrites its buffer
     assert served.sum() == sum(range(12))
+
+
+def test_an_in_place_edit_of_a_served_copy_is_seen_under_inference_mode():
+    # vLLM runs under inference mode, whose tensors keep no version counter;
+    # the served copy keeps one, so the write-back need not compare.
+    with torch.inference_mode():
+        rows = torch.randn(3, 8)
+        served, kept = batched(rows, head_dim=4), batched(rows)
+        summed = batched(rows + 1, fresh=True)
+        served[:, -1, 0] += 1.0  # the user's in-place edit, inside the block
+        assert edited(served) and not edited(kept) and not edited(summed)
+        assert not hasattr(kept, "_vlenvoys_version")  # the mark does not travel with a saved value
+        assert edited(torch.zeros(2))  # a tensor never served counts as edited: it is handed back as written
 
 
 def test_batched_splits_heads():

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from nnsight.intervention.interleaver import Mediator
 
+from .values import unmark
+
 __all__ = ["PRIVATE", "collect", "registered", "serve_private_edits"]
 
 #: Registrations named with this prefix run only on requests that list them in ``edits=[...]``.
@@ -137,16 +139,16 @@ def _install(model: Any, reads: list[Read], name: str) -> Any:
 def _read_only(envoy: Any, name: str) -> torch.Tensor:
     """``getattr(envoy, name)`` inside a block, without handing the value back to the model.
 
-    A standard value read in a block is written back when the block moves
-    on, edited or not, and nnsight splices each request's write-back into the
-    step as a copy of the whole step's tensor: with hundreds of requests in one
-    step that is hundreds of copies of every value read. `collect` edits
-    nothing, so it reads through the value's own declaration (the same tensor
-    a trace reads) and hands nothing back.
+    A standard value read in a block is handed back when the block moves on
+    (one more exchange with the model per value, and a splice of the request's
+    rows into the step). `collect` edits nothing, so it reads through the
+    value's own declaration (the same tensor a trace reads) and hands nothing back.
     """
     value = getattr(type(envoy), name)
     value._check_available(envoy)
-    return value._read(envoy, Mediator.value(value._location(envoy)))
+    served = value._read(envoy, Mediator.value(value._location(envoy)))
+    unmark(served)  # nothing is handed back, so no edit to watch for
+    return served
 
 
 def _run(

@@ -11,6 +11,7 @@ model's own form when the block moves on.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any, NewType
 
@@ -30,6 +31,8 @@ __all__ = [
     "Residual",
     "argument",
     "batched",
+    "edited",
+    "unmark",
     "served_shape",
     "summed",
     "summed_output",
@@ -77,19 +80,59 @@ def with_argument(inputs: tuple[tuple, dict], slot: Slot, value: Any) -> tuple[t
     raise KeyError(f"the call passed no argument {name!r} (position {index})")
 
 
-def batched(value: torch.Tensor, head_dim: int | None = None, batch: bool = False) -> torch.Tensor:
+def batched(value: torch.Tensor, head_dim: int | None = None, batch: bool = False, *, fresh: bool = False) -> torch.Tensor:
     """``[tokens, ...]`` as a private ``[1, tokens, ...]`` copy.
 
     With ``head_dim``, the last axis (``heads * head_dim`` wide) is split into
     ``[heads, head_dim]``. With ``batch`` the tensor already carries the batch
     axis (``[1, tokens, ...]``, vLLM's transformers backend) and keeps it. The
     copy is the caller's: the model's buffer can be rewritten by the next
-    kernel without touching it.
+    kernel without touching it. ``fresh`` says ``value`` is already a tensor
+    of its own (a sum computed for the read), which is then not copied again.
+
+    The copy is made outside inference mode, where vLLM runs: unlike the
+    model's tensors it keeps a version counter, which `edited` reads.
     """
-    copy = value.clone()
+    copy = value if fresh and not value.is_inference() else _copy(value)
     if head_dim is not None:
         copy = copy.reshape(*copy.shape[:-1], -1, head_dim)
-    return copy if batch else copy.unsqueeze(0)
+    copy = copy if batch else copy.unsqueeze(0)
+    return _versioned(copy)
+
+
+def _copy(value: torch.Tensor) -> torch.Tensor:
+    with _outside_inference():
+        return value.clone()
+
+
+def _outside_inference() -> Any:
+    # inference_mode(False) also turns gradients back on; nothing served needs them.
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.inference_mode(False))
+    stack.enter_context(torch.no_grad())
+    return stack
+
+
+def _versioned(value: torch.Tensor) -> torch.Tensor:
+    """``value`` with its version counter noted, for `edited`."""
+    value._vlenvoys_version = value._version
+    return value
+
+
+def edited(value: torch.Tensor) -> bool:
+    """Whether ``value`` (served by `batched`, or a `Derived` read) was edited in place since it was served.
+
+    Reads the version counter every in-place operation bumps (a tensor
+    without one, made in inference mode, counts as edited); the mark is
+    removed, so a saved value carries nothing of it back to the user.
+    """
+    version = unmark(value)
+    return version is None or value.is_inference() or value._version != version
+
+
+def unmark(value: torch.Tensor) -> int | None:
+    """Removes `batched`'s version mark from ``value`` (when nothing will ask `edited`); returns it."""
+    return value.__dict__.pop("_vlenvoys_version", None)
 
 
 def unbatched(
@@ -217,14 +260,14 @@ class Derived(Located):
         return self
 
     def _read(self, obj: Any, raw: Any) -> torch.Tensor:
-        value = self._stub(obj, raw)
-        # Kept on the served tensor itself: blocks of several requests run interleaved.
-        value._vlenvoys_served = value.clone()
-        return value
+        # Computed outside inference mode, so that the value keeps a version
+        # counter and an in-place edit is seen without keeping a copy to compare.
+        with _outside_inference():
+            value = self._stub(obj, raw)
+        return _versioned(value)
 
     def _refuse_edits(self, obj: Any, view: torch.Tensor, raw: Any) -> Any:
-        original = getattr(view, "_vlenvoys_served", None)
-        if original is not None and not torch.equal(view, original):
+        if edited(view):
             raise ReadOnly(f"{self.name} is read-only, and an in-place edit does not reach the model: {self.read_only}")
         return raw
 
@@ -338,20 +381,22 @@ class Flat(Located):
     # -- nnsight's three callbacks -------------------------------------------
 
     def _read(self, obj: Any, raw: Any) -> torch.Tensor:
-        value = batched(self.pick(obj, raw), self._head_dim(obj), self._batch(obj))
+        with _outside_inference():
+            picked = self.pick(obj, raw)
+        value = batched(picked, self._head_dim(obj), self._batch(obj), fresh=self._fresh(obj, raw))
         return self._stub(obj, value)
+
+    def _fresh(self, obj: Any, raw: Any) -> bool:
+        """Whether `pick` computes a tensor of its own (a scaled or summed stream), which needs no copy."""
+        return self._scale(obj) != 1.0
 
     def _write_back(self, obj: Any, view: torch.Tensor, raw: Any) -> Any:
         # Fires whether the view was edited or not: an unedited view hands the
         # model back exactly what it had.
-        current = self.pick(obj, raw)
-        head_dim = self._head_dim(obj)
-        batch = self._batch(obj)
-        if tuple(view.shape) == served_shape(current, head_dim, batch) and torch.equal(
-            view.reshape(current.shape), current
-        ):
+        if not edited(view):
             return raw
-        return self.place(obj, raw, unbatched(view, current, self.name, head_dim, batch), current)
+        current = self.pick(obj, raw)
+        return self.place(obj, raw, unbatched(view, current, self.name, self._head_dim(obj), self._batch(obj)), current)
 
     def __set__(self, obj: Any, value: Any) -> None:
         self._check_available(obj)
@@ -376,6 +421,9 @@ class _Summed(Flat):
         hidden = argument(raw, self._slot(obj))
         residual = argument(raw, self._residual(obj))
         return hidden if residual is None else hidden + residual
+
+    def _fresh(self, obj: Any, raw: Any) -> bool:
+        return argument(raw, self._residual(obj)) is not None
 
     def place(self, obj: Any, raw: Any, new: torch.Tensor, current: torch.Tensor) -> Any:
         slot = self._slot(obj)
@@ -415,6 +463,9 @@ class _SummedOutput(Flat):
 
     def pick(self, obj: Any, raw: Any) -> torch.Tensor:
         return raw[0] + raw[1]
+
+    def _fresh(self, obj: Any, raw: Any) -> bool:
+        return True
 
     def place(self, obj: Any, raw: Any, new: torch.Tensor, current: torch.Tensor) -> Any:
         return type(raw)((raw[0] + (new - current), *raw[1:]))

@@ -42,9 +42,8 @@ class SplicingBatcher(VLLMBatcher):
     """nnsight's vLLM batcher, without the copy when a block hands back its own rows unchanged.
 
     Every standard value read in a block is handed back when the block moves
-    on (edited or not: the write-back cannot tell an in-place edit of a view),
-    and nnsight splices each request's rows back into the step by
-    concatenating the whole step's tensor: with many requests in a step that
+    on (an unedited one as the model's own tensors), and nnsight splices each
+    request's rows back into the step by concatenating the whole step's tensor: with many requests in a step that
     is one full copy per request and value. A block that hands back the very
     view it was served, edited in place or not, left the step's tensor
     holding its rows already, so the step's tensor is handed on as it is.
