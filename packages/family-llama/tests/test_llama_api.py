@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -66,6 +69,25 @@ def test_steer_equals_the_same_edit_by_hand(subject):
 
 
 @on_tiny_llama
+def test_steer_takes_nnterps_positions_and_batch_index_zero(subject):
+    model, prompt = subject.model, subject.prompts[2]
+    vector = torch.linspace(-2, 2, subject.hidden_size)
+    expected = logits_of(model, prompt, lambda m: m.steer(1, vector, token_positions=[1, 3]))
+    for same in ({"positions": [1, 3]}, {"token_positions": [1, 3], "batch_index": 0}):
+        assert torch.equal(logits_of(model, prompt, lambda m: m.steer(1, vector, **same)), expected)
+    for wrong, message in (
+        ({"positions": [1], "token_positions": [1]}, "Cannot specify both"),
+        ({"batch_index": 1}, "its own vLLM request"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            logits_of(model, prompt, lambda m: m.steer(1, vector, **wrong))
+    # In a trace steer runs on the engine, whose warnings stay there; a call in the client warns
+    # the same way before its read fails (no trace: nnsight's ValueError).
+    with pytest.warns(DeprecationWarning, match="use `token_positions`"), pytest.raises(ValueError):
+        model.steer(1, vector, positions=[1])
+
+
+@on_tiny_llama
 def test_skip_layer_passes_the_input_on(subject):
     model, prompt = subject.model, subject.prompts[2]
     skipped = logits_of(model, prompt, lambda m: m.skip_layer(1))
@@ -94,6 +116,67 @@ def test_next_token_probs_is_the_softmax_of_the_logits(subject):
     assert probabilities.shape == (1, subject.reference.config.vocab_size)
     assert torch.allclose(probabilities, logits.float().softmax(-1))
     assert abs(probabilities.sum().item() - 1) < 1e-5
+
+
+@on_tiny_llama
+def test_input_ids_are_the_prompts_tokens_then_each_steps_token(subject):
+    """The prefill's ids per invoke; on each decode step the token the step before chose (greedy)."""
+    model, prompts = subject.model, subject.prompts[:2]
+    with model.trace(temperature=0.0, max_tokens=3) as tracer:
+        results = dict().save()
+        for number, prompt in enumerate(prompts):
+            with tracer.invoke(prompt):
+                steps = list()
+                for _ in tracer.iter[0:3]:
+                    ids = model.input_ids
+                    steps.append((ids, model.input_size, model.logits.argmax(-1)))
+                results[number] = steps
+    for number, prompt in enumerate(prompts):
+        (ids, size, chosen), *decoded = results[number]
+        assert ids.dtype == torch.int64
+        assert torch.equal(ids, torch.tensor([prompt]))
+        assert tuple(size) == (1, len(prompt))
+        for ids, size, next_chosen in decoded:
+            assert tuple(size) == (1, 1)
+            assert torch.equal(ids, chosen.reshape(1, 1).to(torch.int64))
+            chosen = next_chosen
+
+
+@on_tiny_llama
+def test_input_ids_are_read_only(subject):
+    from vlenvoys import ReadOnly
+
+    model, prompt = subject.model, subject.prompts[1]
+    with pytest.raises(ReadOnly, match="input_ids is read-only"):
+        with model.trace(prompt, temperature=0.0):
+            model.input_ids = torch.zeros(1, len(prompt), dtype=torch.int64)
+    assert torch.equal(logits_of(model, prompt), logits_of(model, prompt))
+
+
+@on_tiny_llama
+def test_topk_closest_tokens_of_the_last_stream_are_the_logits_top_k(subject):
+    model, prompt = subject.model, subject.prompts[1]
+    with model.trace(prompt, temperature=0.0):
+        stream = model.layers[-1].layer_output[0]
+        last = model.get_topk_closest_tokens(stream[-1], k=4).save()
+        every = model.get_topk_closest_tokens(stream, k=4).save()
+        logits = model.logits.save()
+    top = logits[0].float().softmax(-1).topk(4)
+    expected = model.probs_to_dict(top.indices, top.values)
+    assert list(expected) == model.tokenizer.convert_ids_to_tokens(top.indices.tolist())
+    assert isinstance(every, list) and len(every) == len(prompt)
+    for got in (last, every[-1]):
+        assert list(got) == list(expected)
+        assert all(abs(got[token] - probability) <= 1e-5 for token, probability in expected.items())
+    for wrong, message in (
+        (torch.zeros(subject.hidden_size + 1), "does not match model hidden size"),
+        (torch.zeros(1, 2, subject.hidden_size), "Expected 1D or 2D"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            with model.trace(prompt, temperature=0.0):
+                model.get_topk_closest_tokens(wrong).save()
+    with pytest.raises(ValueError, match="inside a trace"):
+        model.get_topk_closest_tokens(torch.zeros(subject.hidden_size))
 
 
 @on_tiny_llama
@@ -158,6 +241,10 @@ def test_collect_command(tiny_llama, tmp_path):
     assert result.exit_code == 0, result.output
     tensors = load_file(str(out))
     assert len(tensors) == 2 * len(testing.PROMPTS)
+    with safe_open(str(out), "pt") as saved:
+        metadata = saved.metadata()
+    assert json.loads(metadata["prompts"]) == list(testing.PROMPTS)
+    assert (metadata["value"], json.loads(metadata["layers"]), metadata["model"]) == ("layer_output", [0, 2], str(tiny_llama))
     from transformers import AutoTokenizer
 
     from vlenvoys import oracle

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import sys
@@ -164,7 +165,9 @@ def collect(
 
     Tensors are named VALUE.LAYER.INDEX, INDEX counting the file's non-empty
     lines from 0; each is that prompt's (tokens, ...) tensor, with no batch
-    axis. One block installed on the engine for the run reads them.
+    axis. One block installed on the engine for the run reads them. The
+    file's metadata says what it holds: "prompts" (a JSON list, by INDEX),
+    "value", "layers" (a JSON list) and "model".
     """
     from rich.console import Console
     from safetensors.torch import save_file
@@ -206,7 +209,9 @@ def collect(
         for key, values in collected.items()
         for index, tensor in enumerate(values)
     }
-    save_file(tensors, str(out))
+    # safetensors metadata is string -> string: the lists go in as JSON.
+    metadata = {"prompts": json.dumps(texts), "value": value, "layers": json.dumps(sorted(set(chosen))), "model": model}
+    save_file(tensors, str(out), metadata=metadata)
     console.print(f"{len(tensors)} tensors from {len(texts)} prompts saved to {out}")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from .envoys import block_index
 from .errors import reraise
 from .family import Architecture, InstalledFamily, resolve
 from .parallel import gather_vocab
-from .values import Residual
+from .values import Derived, Residual, argument
 
 __all__ = ["StandardizedVLLM", "load", "on_transformers_backend"]
 
@@ -71,6 +72,30 @@ class StandardizedVLLM(VLLM):
         except RuntimeError as error:
             reraise(error)
             raise
+
+    @property
+    def EMBEDDING(self) -> str:
+        """Where `input_ids` is read: the token embedding module's path under the model (vLLM's own)."""
+        return self.embed_tokens.path.removeprefix(f"{self.path}.")
+
+    @Derived(
+        "{EMBEDDING}.input",
+        read_only="the prompt's tokens are fixed when its request is made; pass other tokens to the invoke",
+    )
+    def input_ids(self, inputs) -> torch.Tensor:
+        """The current invoke's token ids, [1, tokens], int64: the token embedding's input; read-only.
+
+        nnterp's ``model.input_ids`` inside a trace: the prompt's ids on the
+        prefill; on a decode step (``tracer.iter``) that step's one token. Read
+        at the embedding, the first module the model runs, so read it before
+        any block's value. A private copy.
+        """
+        return argument(inputs, (0, "input_")).reshape(1, -1).to(torch.int64, copy=True)
+
+    @property
+    def input_size(self) -> torch.Size:
+        """nnterp's ``input_size``: the shape of `input_ids`, ``(1, tokens)``, read where it is (before any block)."""
+        return self.input_ids.shape
 
     @property
     def token_embeddings(self) -> Residual:
@@ -142,17 +167,35 @@ class StandardizedVLLM(VLLM):
         layers: int | list[int],
         steering_vector: torch.Tensor,
         factor: float = 1.0,
+        positions: int | list[int] | slice | None = None,
         token_positions: int | list[int] | slice | None = None,
+        batch_index: int | None = None,
     ) -> None:
         """Add ``factor * steering_vector`` (``[hidden_size]``) to the output stream of ``layers``.
 
         nnterp's ``steer``: at ``token_positions`` (every position when None),
         in place, inside a trace. On a generation it steers the step it is
         called for; call it in ``for _ in tracer.iter[0:n]:`` to steer every step.
+        ``positions`` is nnterp's deprecated name for ``token_positions`` (its
+        DeprecationWarning is issued where steer runs: in a trace, on the engine).
+        ``batch_index`` may only be None or 0: each invoke is its own request,
+        a batch of one, so another prompt is steered inside its own invoke.
 
         Raises:
             IndexError: a block that does not exist (checked before any block is steered).
+            ValueError: both ``positions`` and ``token_positions``, or a
+                ``batch_index`` other than None or 0.
         """
+        if positions is not None:
+            if token_positions is not None:
+                raise ValueError("Cannot specify both `positions` (deprecated) and `token_positions`.")
+            warnings.warn("`positions` is deprecated, use `token_positions` instead.", DeprecationWarning, stacklevel=2)
+            token_positions = positions
+        if batch_index is not None and (isinstance(batch_index, bool) or batch_index != 0):
+            raise ValueError(
+                f"batch_index={batch_index!r}: each invoke is its own vLLM request, a batch of one (index 0); "
+                "steer another prompt inside its own tracer.invoke"
+            )
         positions = slice(None) if token_positions is None else token_positions
         count = self.num_layers
         indices = [layers] if isinstance(layers, int) else layers
@@ -211,6 +254,49 @@ class StandardizedVLLM(VLLM):
         if scale != 1.0:
             logits = logits * scale
         return logits.reshape(*shape[:-1], logits.shape[-1])
+
+    def get_topk_closest_tokens(
+        self, hidden_state: torch.Tensor, k: int = 5
+    ) -> dict[str, float] | list[dict[str, float]]:
+        """nnterp's top ``k`` tokens of a residual stream through `project_on_vocab`, with their probabilities.
+
+        ``hidden_state`` ``[hidden_size]`` gives one ``{token: probability}``
+        dict, ``[n, hidden_size]`` a list of ``n``. Runs where
+        `project_on_vocab` does, inside a trace (on the engine, with its
+        weights and tokenizer): ``.save()`` the result there. A stream saved
+        out of a trace cannot be projected here; save
+        ``project_on_vocab(h).softmax(-1).topk(k)`` in the trace and pass its
+        indices and values to `probs_to_dict` instead. Probabilities in float32.
+
+        Raises:
+            ValueError: ``hidden_state``'s last axis is not ``hidden_size``, it
+                is not 1-D or 2-D, or this is called outside a trace.
+        """
+        if hidden_state.shape[-1] != self.hidden_size:
+            raise ValueError(
+                f"Hidden state shape {tuple(hidden_state.shape)} does not match model hidden size {self.hidden_size}."
+            )
+        if hidden_state.ndim not in (1, 2):
+            raise ValueError(f"Unsupported hidden state shape {tuple(hidden_state.shape)}. Expected 1D or 2D tensor.")
+        if self.lm_head.weight.is_meta:
+            raise ValueError(
+                "get_topk_closest_tokens projects with the model's weights, which are on the engine: call it "
+                "inside a trace and .save() the result (or save project_on_vocab(h).softmax(-1).topk(k) there "
+                "and pass indices and values to probs_to_dict here)"
+            )
+        top = self.project_on_vocab(hidden_state).float().softmax(-1).topk(k, dim=-1)
+        if hidden_state.ndim == 1:
+            return self.probs_to_dict(top.indices, top.values)
+        return [self.probs_to_dict(indices, values) for indices, values in zip(top.indices, top.values)]
+
+    def probs_to_dict(self, tokens: torch.Tensor, probs: torch.Tensor) -> dict[str, float]:
+        """nnterp's ``{token: probability}`` of token ids ``[n]`` and their probabilities ``[n]``.
+
+        Tokens are the tokenizer's (``convert_ids_to_tokens``, so ``Ġ`` marks a
+        leading space on byte-level tokenizers). Works in a trace and outside.
+        """
+        ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
+        return {token: float(prob) for token, prob in zip(self.tokenizer.convert_ids_to_tokens(ids), probs)}
 
 
 @contextlib.contextmanager
