@@ -86,6 +86,8 @@ def bench(session: nox.Session) -> None:
     """Benchmarks on the real SmolLM2: writes benchmarks/results.md and results.png (with bench_nnterp's rows)."""
     install(session, "packages/family-llama", real_model=True)
     session.install("tabulate", "psutil")
+    # Not skipped by `nox -R`: a reused environment still benchmarks this checkout's code.
+    session.run("pip", "install", "--quiet", "--no-deps", "--force-reinstall", "packages/core", "packages/family-llama")
     session.run("python", "benchmarks/bench.py", "--nnterp", "build/bench_nnterp.json", *session.posargs, env=ENV)
 
 

@@ -333,6 +333,17 @@ def ratio(ours: float, base: float) -> str:
     return f"{ours / base:.2f}" if base > 0 and ours >= 0 else "n/a"
 
 
+def checkout() -> str:
+    """The commit the benchmarked code was installed from (with "+changes" for uncommitted ones)."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown commit"
+    return commit + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
 def write(out: Path, rows) -> None:
     from tabulate import tabulate
 
@@ -342,7 +353,7 @@ def write(out: Path, rows) -> None:
         tablefmt="github",
     )
     machine = f"{platform.machine()}, {os.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB, torch {torch.__version__}"
-    (out / "results.md").write_text(f"Machine: {machine}\n\n{table}\n")
+    (out / "results.md").write_text(f"Machine: {machine}; vlenvoys-core {vlenvoys.__version__} at {checkout()}\n\n{table}\n")
     import matplotlib
 
     matplotlib.use("Agg")
