@@ -30,15 +30,23 @@ from vlenvoys.collect import collect
 from workloads import median_time, prompts
 
 
-def interleaved(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median seconds of each run, timed in rounds that run each once (after one warm-up round)."""
+def interleaved(runs: dict[str, Callable[[], object]], repeats: int, rounds: list | None = None) -> dict[str, float]:
+    """Median seconds of each run, timed in rounds that run each once (after one warm-up round).
+
+    ``rounds``, when given, receives each round's seconds by run name (for ratios within a round).
+    """
     times: dict[str, list[float]] = {name: [] for name in runs}
     for repeat in range(repeats + 1):
+        measured = {}
         for name, run in runs.items():
             start = time.perf_counter()
             run()
-            if repeat:
-                times[name].append(time.perf_counter() - start)
+            measured[name] = time.perf_counter() - start
+        if repeat:
+            for name, seconds in measured.items():
+                times[name].append(seconds)
+            if rounds is not None:
+                rounds.append(measured)
     return {name: statistics.median(seconds) for name, seconds in times.items()}
 
 
@@ -220,17 +228,21 @@ def main() -> None:
     model = vlenvoys.load(path)
     rows: list[tuple[str, str, float, str, float, str]] = []
 
-    def row(name, ours_label, ours, base_label, base, unit="prompts/s"):
-        rows.append((name, ours_label, ours, base_label, base, unit))
-        print(f"{name}: {ours_label} {ours:.3g} vs {base_label} {base:.3g} {unit} (ratio {ratio(ours, base)})", flush=True)
+    def row(name, ours_label, ours, base_label, base, unit="prompts/s", paired=None):
+        rows.append((name, ours_label, ours, base_label, base, unit, paired))
+        print(f"{name}: {ours_label} {ours:.3g} vs {base_label} {base:.3g} {unit} (ratio {ratio(ours, base, paired)})", flush=True)
 
     try:
         # 1. Overhead of the envoys: every layer's stream, attention output and neurons.
         if 1 in args.only:
             texts = prompts(16)
             runs = {"ours": lambda: traced(model, texts, every_layer_standard), "raw": lambda: traced(model, texts, every_layer_raw)}
-            seconds = interleaved(runs, 3 * args.repeats)
-            row("1. envoy overhead (every layer, 3 values)", "vlenvoys s", seconds["ours"], "raw nnsight + clone s", seconds["raw"], "s")
+            rounds: list[dict[str, float]] = []
+            seconds = interleaved(runs, 5 * args.repeats, rounds)
+            # The ratio within each round, then their median: the machine's drift over the
+            # minute this takes moves both runs of a round alike.
+            paired = statistics.median(r["ours"] / r["raw"] for r in rounds)
+            row("1. envoy overhead (every layer, 3 values)", "vlenvoys s", seconds["ours"], "raw nnsight + clone s", seconds["raw"], "s", paired)
 
         tokenizer = AutoTokenizer.from_pretrained(path)
         reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -325,10 +337,12 @@ def add_nnterp(rows: list, measured: dict) -> None:
     for key, workload, name, unit in pairs:
         if key in ours and workload in nnterp:
             label, value = ours[key]
-            rows.append((name, label, value, "nnterp on transformers", nnterp[workload], unit))
+            rows.append((name, label, value, "nnterp on transformers", nnterp[workload], unit, None))
 
 
-def ratio(ours: float, base: float) -> str:
+def ratio(ours: float, base: float, paired: float | None = None) -> str:
+    if paired is not None:
+        return f"{paired:.2f} (paired)"
     # A ratio of memory growths near zero, or of opposite signs, says nothing.
     return f"{ours / base:.2f}" if base > 0 and ours >= 0 else "n/a"
 
@@ -348,7 +362,7 @@ def write(out: Path, rows) -> None:
     from tabulate import tabulate
 
     table = tabulate(
-        [(name, f"{a:.3g} ({al})", f"{b:.3g} ({bl})", ratio(a, b), unit) for name, al, a, bl, b, unit in rows],
+        [(name, f"{a:.3g} ({al})", f"{b:.3g} ({bl})", ratio(a, b, paired), unit) for name, al, a, bl, b, unit, paired in rows],
         headers=("benchmark", "vlenvoys", "baseline", "ratio", "unit"),
         tablefmt="github",
     )
@@ -361,7 +375,7 @@ def write(out: Path, rows) -> None:
 
     figure, axis = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.5))
     names = [name for name, *_ in rows]
-    axis.barh(names, [a / b if b > 0 and a >= 0 else 0.0 for _, _, a, _, b, _ in rows], color="tab:blue")
+    axis.barh(names, [p if p is not None else a / b if b > 0 and a >= 0 else 0.0 for _, _, a, _, b, _, p in rows], color="tab:blue")
     axis.axvline(1.0, color="black", linewidth=0.8)
     axis.invert_yaxis()
     axis.set_xlabel("ratio (vlenvoys / baseline; for seconds and MiB lower is better, for prompts/s higher)")
