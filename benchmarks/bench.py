@@ -348,14 +348,15 @@ def ratio(ours: float, base: float, paired: float | None = None) -> str:
 
 
 def checkout() -> str:
-    """The commit the benchmarked code was installed from (with "+changes" for uncommitted ones)."""
+    """The commit the benchmarked code was installed from (with "+changes" for uncommitted changes to it)."""
     import subprocess
 
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
 
     commit = git("rev-parse", "--short", "HEAD") or "unknown commit"
-    return commit + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+    code = ("packages", "benchmarks/bench.py", "benchmarks/workloads.py")
+    return commit + ("+changes" if git("status", "--porcelain", "--untracked-files=no", "--", *code) else "")
 
 
 def write(out: Path, rows) -> None:
