@@ -177,6 +177,37 @@ def test_topk_closest_tokens_of_the_last_stream_are_the_logits_top_k(subject):
                 model.get_topk_closest_tokens(wrong).save()
     with pytest.raises(ValueError, match="inside a trace"):
         model.get_topk_closest_tokens(torch.zeros(subject.hidden_size))
+    with pytest.raises(ValueError, match="ids \\[n\\] and their probabilities"):
+        model.probs_to_dict(top.indices, top.values[:2])
+    with pytest.raises(ValueError, match="per row"):
+        model.probs_to_dict(top.indices[None], top.values[None])
+
+
+@on_tiny_llama
+def test_steer_refuses_a_vector_of_another_width(subject):
+    model, prompt = subject.model, subject.prompts[2]
+    baseline = logits_of(model, prompt)
+    with pytest.raises(ValueError, match=rf"expected a tensor of shape \[{subject.hidden_size}\]"):
+        logits_of(model, prompt, lambda m: m.steer(1, torch.ones(subject.hidden_size + 3)))
+    assert torch.equal(logits_of(model, prompt), baseline)
+
+
+@on_tiny_llama
+def test_generate_as_a_block_is_a_trace_and_called_plainly_runs_the_engine(subject):
+    model, prompt = subject.model, "the quick brown fox"
+
+    def tokens(result):
+        return list((result[0] if isinstance(result, list) else result).outputs[0].token_ids)
+
+    with model.generate(prompt, max_new_tokens=3, temperature=0.0) as tracer:
+        stream = model.layers[1].layer_output.save()
+        generated = tracer.result.save()
+    with model.trace(prompt, max_tokens=3, temperature=0.0) as tracer:
+        expected_stream = model.layers[1].layer_output.save()
+        expected = tracer.result.save()
+    assert torch.equal(stream, expected_stream)
+    assert tokens(generated) == tokens(expected) and len(tokens(expected)) == 3
+    assert tokens(model.generate(prompt, max_tokens=3, temperature=0.0)) == tokens(expected)
 
 
 @on_tiny_llama

@@ -406,6 +406,19 @@ def test_wrong_dtype_is_refused(subject):
         logits_of(subject.model, prompt, edit)
 
 
+def test_non_finite_write_is_refused_and_later_requests_stay_clean(subject):
+    # A NaN that reached the cached keys and values would turn later requests' logits NaN.
+    prompt, later = subject.prompts[1], subject.prompts[2]
+    baseline = logits_of(subject.model, later)
+
+    def edit(model):
+        model.layers[0].layer_output[:, -1] = float("nan")
+
+    with pytest.raises(vlenvoys.InvalidWrite, match="NaN or infinite"):
+        logits_of(subject.model, prompt, edit)
+    assert torch.equal(logits_of(subject.model, later), baseline)
+
+
 
 
 def test_zero_one_heads_output_at_one_position(subject):
@@ -588,6 +601,8 @@ def test_activation_by_mlp_kind(subject):
 
 def test_support_lists_every_value_with_its_reason(subject):
     support = vlenvoys.support(subject.model)
+    # The checkpoint's own name, though several architectures share a declaration (Llama, Mistral).
+    assert support.architecture == subject.reference.config.architectures[0]
     kind = subject.mlp_kind
     assert support["mlp", "mlp_activation"].available is (kind == "plain")
     if kind != "plain":

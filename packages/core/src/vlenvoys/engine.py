@@ -57,9 +57,12 @@ class StandardizedVLLM(VLLM):
         self._check_running()
         return super().trace(*inputs, **kwargs)
 
-    def generate(self, *inputs: Any, **kwargs: Any) -> Any:
+    # Not `generate`: nnsight tells `with model.generate(...)` from a plain call by
+    # reading its caller's frame, which a wrapper here would hide. Its trace goes
+    # through `trace` above, its plain run through `_generate`.
+    def _generate(self, *inputs: Any, **kwargs: Any) -> Any:
         self._check_running()
-        return super().generate(*inputs, **kwargs)
+        return super()._generate(*inputs, **kwargs)
 
     def _check_running(self) -> None:
         if getattr(self, "_shut_down", False):
@@ -183,8 +186,10 @@ class StandardizedVLLM(VLLM):
 
         Raises:
             IndexError: a block that does not exist (checked before any block is steered).
-            ValueError: both ``positions`` and ``token_positions``, or a
-                ``batch_index`` other than None or 0.
+            ValueError: both ``positions`` and ``token_positions``, a
+                ``batch_index`` other than None or 0, or a vector whose last axis
+                is not ``hidden_size``.
+            InvalidWrite: the steered stream has NaN or infinite entries (see `values.unbatched`).
         """
         if positions is not None:
             if token_positions is not None:
@@ -196,6 +201,9 @@ class StandardizedVLLM(VLLM):
                 f"batch_index={batch_index!r}: each invoke is its own vLLM request, a batch of one (index 0); "
                 "steer another prompt inside its own tracer.invoke"
             )
+        shape = tuple(getattr(steering_vector, "shape", ()))
+        if not isinstance(steering_vector, torch.Tensor) or shape[-1:] != (self.hidden_size,):
+            raise ValueError(f"steering_vector: expected a tensor of shape [{self.hidden_size}] (hidden_size), got {list(shape)}")
         positions = slice(None) if token_positions is None else token_positions
         count = self.num_layers
         indices = [layers] if isinstance(layers, int) else layers
@@ -294,9 +302,19 @@ class StandardizedVLLM(VLLM):
 
         Tokens are the tokenizer's (``convert_ids_to_tokens``, so ``Ġ`` marks a
         leading space on byte-level tokenizers). Works in a trace and outside.
+
+        Raises:
+            ValueError: not one id per probability, or rows of several (call it per row).
         """
         ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
-        return {token: float(prob) for token, prob in zip(self.tokenizer.convert_ids_to_tokens(ids), probs)}
+        values = probs.tolist() if isinstance(probs, torch.Tensor) else list(probs)
+        if len(ids) != len(values) or any(isinstance(each, list) for each in (*ids, *values)):
+            raise ValueError(
+                f"probs_to_dict takes token ids [n] and their probabilities [n], got shapes "
+                f"{list(getattr(tokens, 'shape', [len(ids)]))} and {list(getattr(probs, 'shape', [len(values)]))}; "
+                "for several rows, call it per row"
+            )
+        return {token: float(prob) for token, prob in zip(self.tokenizer.convert_ids_to_tokens(ids), values)}
 
 
 @contextlib.contextmanager
@@ -404,14 +422,14 @@ def load(model: str | os.PathLike | None = None, **engine_kwargs: Any) -> Standa
 
         model = smollm2_path()
     model = str(model)
-    installed, _, architecture = resolve(
+    installed, name, architecture = resolve(
         architectures_of(model), backend=engine_kwargs.get("model_impl") == "transformers"
     )
     _cpu_defaults(model, engine_kwargs)
     engine_kwargs.setdefault("enable_prefix_caching", False)
     with _cpu_ranks(engine_kwargs.get("tensor_parallel_size", 1)):
         loaded = StandardizedVLLM(model, dispatch=True, architecture=architecture, **engine_kwargs)
-    loaded.family = installed
+    loaded.family, loaded.architecture_name = installed, name
     return loaded
 
 

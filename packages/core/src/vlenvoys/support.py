@@ -118,7 +118,8 @@ def support(model: Any) -> Support:
         architecture: Architecture = model.architecture
         installed = model.family
         declared = {**installed.family.architectures, **installed.family.transformers_backend}
-        name = next(a for a, each in declared.items() if each is architecture)
+        # Several architectures can share one declaration (Llama, Mistral): the checkpoint's own name first.
+        name = getattr(model, "architecture_name", None) or next(a for a, each in declared.items() if each is architecture)
     rows = [Row("model", "token_embeddings", "Residual", True, "block 0's stream input")]
     rows += _rows("layer", architecture.layer)
     rows += _rows("attention", architecture.attention)

@@ -147,11 +147,15 @@ def unbatched(
     A written value is spliced into the step the engine is running, among
     other requests' rows, and one of another height would reach the next
     kernel as it is, where the mismatch can end the engine and every request
-    in it. So it is refused here, in the block that wrote it.
+    in it. So it is refused here, in the block that wrote it. So is a NaN or
+    an infinity: carried into the keys and values the engine caches, it
+    stays in cache blocks vLLM reuses for later requests, and their attention
+    picks it up (measured on the CPU engine: a NaN written at block 3 of one
+    request made every later request NaN from block 4's attention on).
 
     Raises:
-        InvalidWrite: ``value`` is not a tensor, or its shape, dtype or device
-            differs from what was served.
+        InvalidWrite: ``value`` is not a tensor, its shape, dtype or device
+            differs from what was served, or it has NaN or infinite entries.
     """
     expected = served_shape(rows, head_dim, batch)
     if not isinstance(value, torch.Tensor):
@@ -165,6 +169,11 @@ def unbatched(
         raise InvalidWrite(f"{name}: expected dtype {rows.dtype}, got {value.dtype}; convert it with .to({rows.dtype})")
     if value.device != rows.device:
         raise InvalidWrite(f"{name}: expected a tensor on {rows.device}, got one on {value.device}")
+    if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+        raise InvalidWrite(
+            f"{name}: the written value has NaN or infinite entries; they would reach the engine's "
+            "key/value cache and spoil the logits of later requests"
+        )
     return value.reshape(rows.shape)
 
 
