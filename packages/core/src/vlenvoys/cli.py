@@ -167,7 +167,7 @@ def collect(
     lines from 0; each is that prompt's (tokens, ...) tensor, with no batch
     axis. One block installed on the engine for the run reads them. The
     file's metadata says what it holds: "prompts" (a JSON list, by INDEX),
-    "value", "layers" (a JSON list) and "model".
+    "value", "layers" (a JSON list) and "model" (as given, or the built-in's name).
     """
     from rich.console import Console
     from safetensors.torch import save_file
@@ -189,6 +189,8 @@ def collect(
         texts = [line.strip() for line in prompts.read_text().splitlines() if line.strip()]
         if not texts:
             raise ValueError(f"{prompts} has no prompts (one per line)")
+        # The name the user gave (a hub name, a folder), not the cache folder it resolves to.
+        named = str(model) if model is not None else "SmolLM2-135M-Instruct (built-in, float32)"
         model = checkpoint(model)
         chosen = check_layers(model, chosen)
         check_output(out)
@@ -210,7 +212,7 @@ def collect(
         for index, tensor in enumerate(values)
     }
     # safetensors metadata is string -> string: the lists go in as JSON.
-    metadata = {"prompts": json.dumps(texts), "value": value, "layers": json.dumps(sorted(set(chosen))), "model": model}
+    metadata = {"prompts": json.dumps(texts), "value": value, "layers": json.dumps(sorted(set(chosen))), "model": named}
     save_file(tensors, str(out), metadata=metadata)
     console.print(f"{len(tensors)} tensors from {len(texts)} prompts saved to {out}")
 
