@@ -18,6 +18,7 @@ import torch
 
 import vlenvoys
 from vlenvoys import oracle, testing, weights
+from vlenvoys.engine import architectures_of
 from vlenvoys.oracle import VALUES, HFLayout, edited_logits
 
 #: The oracle's bound: |vLLM - transformers| <= 1e-4, relative to each token's own
@@ -602,7 +603,8 @@ def test_activation_by_mlp_kind(subject):
 def test_support_lists_every_value_with_its_reason(subject):
     support = vlenvoys.support(subject.model)
     # The checkpoint's own name, though several architectures share a declaration (Llama, Mistral).
-    assert support.architecture == subject.reference.config.architectures[0]
+    checkpoint = subject.model.vllm_entrypoint.llm_engine.model_config.model
+    assert support.architecture == architectures_of(checkpoint)[0]
     kind = subject.mlp_kind
     assert support["mlp", "mlp_activation"].available is (kind == "plain")
     if kind != "plain":
