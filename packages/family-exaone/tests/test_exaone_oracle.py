@@ -9,7 +9,7 @@ import vlenvoys
 import vlenvoys_exaone
 from vlenvoys import testing
 from vlenvoys.conformance import *  # noqa: F403  (the suite's tests, collected here)
-from vlenvoys.conformance import check_edit, close, logits_of, steering_vector
+from vlenvoys.conformance import check_edit, close, host, logits_of, steering_vector
 
 #: The hybrid test model's sliding window (conftest's MODELS).
 WINDOW = 8
@@ -72,10 +72,12 @@ def test_layer_mid_edit_reaches_the_mlp_and_the_residual_add(subject):
     with model.trace(prompt, temperature=0.0):
         layer = model.layers[1]
         before = layer.layer_mid.clone().save()
-        layer.layer_mid[:, -2] += vector
+        mid = layer.layer_mid
+        mid[:, -2] += vector.to(mid.device)
         mlp_input = layer.mlp.input.clone().save()
         contribution = layer.mlp.mlp_output.save()
         leaving = layer.layer_output.save()
+    before, mlp_input, contribution, leaving = host((before, mlp_input, contribution, leaving))
     edited = before.clone()
     edited[:, -2] += vector
     assert torch.equal(mlp_input, edited[0])

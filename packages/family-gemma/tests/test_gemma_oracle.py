@@ -79,9 +79,10 @@ def test_last_stream_projected_on_the_vocabulary_is_the_logits(subject):
         logits = model.logits.save()
     assert close(subject, "project_on_vocab(last stream) vs vLLM logits", projected, logits.reshape(projected.shape))
     assert close(subject, "project_on_vocab(last stream)", projected[0], subject.expected(index)["logits"])
+    projected = projected.cpu()
     reference = subject.reference
     with torch.no_grad():
-        uncapped = reference.lm_head(reference.model.norm(stream))
+        uncapped = reference.lm_head(reference.model.norm(stream.cpu()))
     cap = getattr(reference.config, "final_logit_softcapping", None)
     if cap:
         assert close(subject, "final soft cap", projected, cap * torch.tanh(uncapped / cap))
@@ -104,7 +105,7 @@ def test_lm_head_is_a_standard_name(subject):
     # vLLM pads the vocabulary's rows; under tensor parallelism a rank holds the first slice.
     rows = min(len(unembedding), len(weight))
     assert rows >= len(weight) // 2
-    assert torch.equal(unembedding[:rows], weight[:rows])
+    assert torch.equal(unembedding[:rows].cpu(), weight[:rows])
 
 
 def test_logit_lens(subject, tmp_path):

@@ -16,6 +16,8 @@ MODELS = {
     # Multipliers far from 1: embedding 8, residual 0.5, attention 0.25, logits scaling 0.5.
     "GraniteForCausalLM": ("GraniteForCausalLM", {}, GRANITE_LAYOUT),
     "SmolLM2": (None, {}),
+    # Both engines in bfloat16 (the checkpoint's float32 weights rounded alike), against BF16_TOLERANCE.
+    "LlamaForCausalLM-bf16": ("LlamaForCausalLM", {}, {"dtype": "bfloat16"}),
     # Tensor parallelism, two ranks of one core each: heads and neurons split across ranks;
     # one key/value head for two ranks (each rank holds a copy).
     "LlamaForCausalLM-tp2": ("LlamaForCausalLM", {}, {"tensor_parallel_size": 2}),

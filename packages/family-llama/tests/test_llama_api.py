@@ -52,7 +52,7 @@ def test_accessors_are_the_block_values(subject):
             (mlp, "mlp_output"),
             (leaving, "layer_output"),
         ):
-            assert (value - expected[name][i]).abs().max() <= 1e-4, (name, i)
+            assert (value.cpu() - expected[name][i]).abs().max() <= 1e-4, (name, i)
 
 
 @on_tiny_llama
@@ -61,7 +61,8 @@ def test_steer_equals_the_same_edit_by_hand(subject):
     vector = torch.linspace(-2, 2, subject.hidden_size)
 
     def by_hand(model):
-        model.layers[1].layer_output[:, [1, 3]] += 1.5 * vector
+        stream = model.layers[1].layer_output
+        stream[:, [1, 3]] += 1.5 * vector.to(stream.device)
 
     steered = logits_of(model, prompt, lambda m: m.steer([1], vector, factor=1.5, token_positions=[1, 3]))
     assert torch.equal(steered, logits_of(model, prompt, by_hand))
@@ -134,7 +135,7 @@ def test_input_ids_are_the_prompts_tokens_then_each_steps_token(subject):
     for number, prompt in enumerate(prompts):
         (ids, size, chosen), *decoded = results[number]
         assert ids.dtype == torch.int64
-        assert torch.equal(ids, torch.tensor([prompt]))
+        assert torch.equal(ids.cpu(), torch.tensor([prompt]))
         assert tuple(size) == (1, len(prompt))
         for ids, size, next_chosen in decoded:
             assert tuple(size) == (1, 1)

@@ -16,7 +16,7 @@ import torch
 
 import vlenvoys
 from vlenvoys import oracle, testing
-from vlenvoys.conformance import record
+from vlenvoys.conformance import difference_of, record, same_rows
 
 SAFETY_MODELS = ["LlamaForCausalLM", "SmolLM2"]
 on_safety_models = pytest.mark.parametrize("subject", SAFETY_MODELS, indirect=True)
@@ -51,17 +51,20 @@ def test_isolation_of_eight_requests(subject):
     together = run(model, prompts)
     for number, ((stream, logits), (stream_alone, logits_alone)) in enumerate(zip(together, alone)):
         assert stream.shape == (1, len(prompts[number]), stream.shape[-1])
-        assert torch.equal(stream, stream_alone), number
-        assert torch.equal(logits, logits_alone), number
+        assert same_rows(stream, stream_alone, subject), number
+        assert same_rows(logits, logits_alone, subject), number
 
     def edit(model):
         model.layers[0].layer_mid[:] += 3.0
 
     edited = run(model, prompts, edit_first=edit)
-    assert not torch.equal(edited[0][1], alone[0][1]), "the edit must change its own request"
+    assert not torch.equal(edited[0][1], together[0][1]), "the edit must change its own request"
     for number in range(1, len(prompts)):
-        assert torch.equal(edited[number][0], alone[number][0]), number
-        assert torch.equal(edited[number][1], alone[number][1]), number
+        # The same step shapes as `together`: exactly its values on the CPU engine; on a GPU the
+        # edited request's rows are spliced into a new step tensor, and the kernels reading it
+        # round differently (measured on an H200: 1 ulp), so there within the oracle's bound.
+        assert same_rows(edited[number][0], together[number][0], subject), number
+        assert same_rows(edited[number][1], together[number][1], subject), number
 
 
 @on_safety_models
@@ -81,9 +84,9 @@ def test_decode_step_values_equal_transformers_fed_the_generated_tokens(subject)
         assert streams[step].shape == (1, 1, want.shape[-1])
         position = len(prompt) + step - 1
         got, reference = streams[step][0, 0], want[0, position]
-        difference = (got - reference).abs().max().item()
+        difference = difference_of(got, reference).max().item()
         record(subject.name, "decode-step layer_output", difference)
-        assert difference <= 1e-4 * max(1.0, reference.abs().max().item())
+        assert difference <= subject.tolerance * max(1.0, reference.abs().max().item())
 
 
 @on_safety_models
@@ -98,7 +101,8 @@ def test_an_edit_on_step_three_changes_only_what_follows(subject):
             logits = list().save()
             for step in tracer.iter[0:steps]:
                 if step == edit_step:
-                    model.layers[1].layer_output[:, -1] += vector
+                    stream = model.layers[1].layer_output
+                    stream[:, -1] += vector.to(stream.device)
                 logits.append(model.logits)
         return logits
 
@@ -120,7 +124,7 @@ RAISED = {
     "token count": (vlenvoys.InvalidWrite, r"layer_output: expected shape \[1, 3, "),
     "hidden size": (vlenvoys.InvalidWrite, r"layer_output: expected shape \[1, 3, "),
     "dtype": (vlenvoys.InvalidWrite, "layer_mid: expected dtype torch.float32, got torch.float16"),
-    "device": (vlenvoys.InvalidWrite, "layer_mid: expected a tensor on cpu, got one on meta"),
+    "device": (vlenvoys.InvalidWrite, "layer_mid: expected a tensor on .+, got one on meta, which holds no data"),
     "exception in the block": (ZeroDivisionError, "division by zero"),
     "unavailable value": (vlenvoys.Unavailable, "mlp_activation is unavailable"),
 }
@@ -141,7 +145,7 @@ def test_a_faulty_request_ends_alone(subject, fault):
                 good = model.logits.save()
             with tracer.invoke(faulty):
                 FAULTS[fault](model, hidden)
-    assert good is not None and torch.equal(good, alone)
+    assert good is not None and same_rows(good, alone, subject)
     (_, again), = run(model, [neighbour])
     assert torch.equal(again, alone), "the engine must go on serving"
 
@@ -164,10 +168,10 @@ def test_skip_alone_equals_transformers_with_the_block_skipped(subject):
     finally:
         for handle in handles:
             handle.remove()
-    difference = (logits.reshape(-1) - want).abs().max().item()
+    difference = difference_of(logits.reshape(-1), want).max().item()
     record(subject.name, "skip block 1", difference)
-    assert difference <= 1e-4 * max(1.0, want.abs().max().item())
-    assert not torch.equal(logits.reshape(-1), oracle.edited_logits(subject.reference, prompt, layout=subject.layout))
+    assert difference <= subject.tolerance * max(1.0, want.abs().max().item())
+    assert not torch.equal(logits.reshape(-1).cpu(), oracle.edited_logits(subject.reference, prompt, layout=subject.layout))
 
 
 @on_safety_models
@@ -181,7 +185,7 @@ def test_skip_on_a_shared_step_is_refused(subject):
                 first = model.logits.save()
             with tracer.invoke(subject.prompts[1]):
                 model.layers[1].skip(model.layers[1].layer_input)
-    assert torch.equal(first, alone)
+    assert same_rows(first, alone, subject)
 
 
 @pytest.fixture(scope="module")
@@ -264,11 +268,8 @@ def test_soak_three_hundred_requests(subject):
 def async_engine(tmp_path_factory):
     """A tiny Llama on vLLM's async engine, where an untraced request can run beside a traced one."""
     path = testing.tiny_model("LlamaForCausalLM", tmp_path_factory.mktemp("async"))
-    model = vlenvoys.load(str(path), mode="async", max_model_len=256)
-    try:
+    with oracle.engine(str(path), mode="async") as model:
         yield model
-    finally:
-        vlenvoys.shutdown(model)
 
 
 def test_a_plain_request_sharing_the_step_is_untouched(async_engine):
@@ -308,5 +309,8 @@ def test_a_plain_request_sharing_the_step_is_untouched(async_engine):
 
     for beside in (plain, plain_beside_edit):
         assert beside.outputs[0].token_ids == alone.outputs[0].token_ids
-        assert logprobs(beside) == logprobs(alone)
+        # Exactly on the CPU engine; on a GPU within the oracle's bound (see same_rows).
+        for step, step_alone in zip(logprobs(beside), logprobs(alone), strict=True):
+            assert step.keys() == step_alone.keys()
+            assert same_rows(torch.tensor(list(step.values())), torch.tensor(list(step_alone.values())))
     assert edited.outputs[0].token_ids != traced.outputs[0].token_ids, "the edit must change its own request"

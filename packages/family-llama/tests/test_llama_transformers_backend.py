@@ -13,7 +13,7 @@ import torch
 
 import vlenvoys
 from vlenvoys import oracle, testing
-from vlenvoys.conformance import close, logits_of, read_all, record, served
+from vlenvoys.conformance import TOLERANCE, close, logits_of, read_all, record, served
 
 NAME = "LlamaForCausalLM-on-transformers"
 pytestmark = pytest.mark.transformers_backend
@@ -35,8 +35,15 @@ def backend(tmp_path_factory):
     transformers' values are computed before the engine starts: vLLM's backend
     wraps transformers' own model classes in this process too.
     """
-    from transformers import AutoTokenizer
+    import os
 
+    from transformers import AutoTokenizer
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda_alike():
+        # transformers' values are computed here first, with the CPU's thread pool: an engine
+        # forked after that hung at start on an H200 (no output for minutes); spawn it afresh.
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     path = testing.tiny_model("LlamaForCausalLM", tmp_path_factory.mktemp("backend"))
     tokenizer = AutoTokenizer.from_pretrained(path)
     prompts = [tokenizer(text)["input_ids"] for text in testing.PROMPTS]
@@ -52,6 +59,7 @@ def backend(tmp_path_factory):
 
 class _Named:
     name = NAME
+    tolerance = TOLERANCE
 
 
 def test_it_runs_on_the_backend(backend):
@@ -90,7 +98,8 @@ def test_stream_identities_and_edits_match_transformers(backend):
         assert (mid + mlp - leaving).abs().max() <= 1e-5
 
     def edit(model):
-        model.layers[1].layer_mid[:, -2] += VECTOR
+        mid = model.layers[1].layer_mid
+        mid[:, -2] += VECTOR.to(mid.device)
 
     got = logits_of(model, prompt, edit)
     want = references["edited"]

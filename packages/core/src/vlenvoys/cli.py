@@ -127,6 +127,7 @@ def patterns(
                 pattern = loaded.layers[layer].self_attn.attention_probabilities.save()
         finally:
             vlenvoys.shutdown(loaded)
+    pattern = pattern.cpu()  # saved on the engine's device
     tokens = [repr(loaded.tokenizer.decode([token]))[1:-1] for token in ids]
     heads = pattern.shape[1]
     columns = min(heads, 4)

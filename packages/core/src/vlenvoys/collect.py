@@ -73,8 +73,9 @@ def collect(
 
     Returns:
         ``"{value}.{layer}"`` (the layer as a non-negative index) -> one
-        tensor per prompt, in prompt order, each that prompt's private copy in
-        the value's layout: ``[1, tokens, hidden_size]`` for the streams and
+        CPU tensor per prompt (copied off the engine's device as it is read,
+        so a GPU engine holds none of a run's values), in prompt order, each
+        that prompt's private copy in the value's layout: ``[1, tokens, hidden_size]`` for the streams and
         contributions, ``[1, tokens, heads, head_dim]`` for the heads,
         ``[1, tokens, intermediate_size]`` for the neurons, ``[1, heads,
         tokens, tokens]`` for the pattern.
@@ -132,7 +133,9 @@ def _install(model: Any, reads: list[Read], name: str) -> Any:
         for layer, owner, value in reads:
             block = model.layers[layer]
             envoy = block if owner == "layer" else getattr(block, owner)
-            vlenvoys_collected[f"{value}.{layer}"] = _read_only(envoy, value)
+            # To the host on the engine: a run's values never pile up in GPU memory,
+            # and they come back as CPU tensors wherever the engine runs.
+            vlenvoys_collected[f"{value}.{layer}"] = _read_only(envoy, value).cpu()
     return edit
 
 

@@ -176,6 +176,9 @@ class StandardizedVLLM(VLLM):
     ) -> None:
         """Add ``factor * steering_vector`` (``[hidden_size]``) to the output stream of ``layers``.
 
+        The vector may live on any device and in any float dtype: it is moved
+        to the stream's (the engine's device, the model's dtype), as nnterp does.
+
         nnterp's ``steer``: at ``token_positions`` (every position when None),
         in place, inside a trace. On a generation it steers the step it is
         called for; call it in ``for _ in tracer.iter[0:n]:`` to steer every step.
@@ -210,7 +213,8 @@ class StandardizedVLLM(VLLM):
         # In forward order, as nnterp does: a later block cannot be edited before an earlier one.
         for layer in sorted({block_index(layer, count) for layer in indices}):
             stream = self.layers[layer].layer_output
-            stream[:, positions] += factor * steering_vector.to(stream.dtype)
+            # To the stream's device and dtype, as nnterp's steer does: a CPU vector steers a GPU engine.
+            stream[:, positions] += factor * steering_vector.to(device=stream.device, dtype=stream.dtype)
 
     @property
     def next_token_probs(self) -> torch.Tensor:
@@ -409,10 +413,11 @@ def load(model: str | os.PathLike | None = None, **engine_kwargs: Any) -> Standa
             real model, SmolLM2-135M-Instruct (see `vlenvoys.weights`).
         **engine_kwargs: vLLM engine arguments (``dtype``, ``max_model_len``,
             ``tensor_parallel_size``, ...) and nnsight ``VLLM`` arguments. On
-            the CPU engine the KV cache defaults to 1 GiB and the dtype to the
-            checkpoint's own (float32 where it names none; vLLM would
-            otherwise run float32 checkpoints in bfloat16); prefix caching
-            stays off unless asked for.
+            every platform the dtype defaults to the checkpoint's own (float32
+            where it names none; vLLM would otherwise run float32 checkpoints
+            in half precision); on a GPU a float32 engine's Triton kernels run
+            in full float32 (see `_float32_kernels`); on the CPU engine the KV
+            cache defaults to 1 GiB. Prefix caching stays off unless asked for.
 
     Raises:
         UnknownArchitecture: no installed family declares the model's architecture.
@@ -425,26 +430,56 @@ def load(model: str | os.PathLike | None = None, **engine_kwargs: Any) -> Standa
     installed, name, architecture = resolve(
         architectures_of(model), backend=engine_kwargs.get("model_impl") == "transformers"
     )
-    _cpu_defaults(model, engine_kwargs)
+    _engine_defaults(model, engine_kwargs)
     engine_kwargs.setdefault("enable_prefix_caching", False)
-    with _cpu_ranks(engine_kwargs.get("tensor_parallel_size", 1)):
+    with _cpu_ranks(engine_kwargs.get("tensor_parallel_size", 1)), _float32_kernels(engine_kwargs["dtype"]):
         loaded = StandardizedVLLM(model, dispatch=True, architecture=architecture, **engine_kwargs)
     loaded.family, loaded.architecture_name = installed, name
     return loaded
 
 
-def _cpu_defaults(model: str, engine_kwargs: dict) -> None:
+def _engine_defaults(model: str, engine_kwargs: dict) -> None:
     from vllm.platforms import current_platform
 
-    if not current_platform.is_cpu():
-        return
-    if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-        engine_kwargs.setdefault("kv_cache_memory_bytes", CPU_KV_CACHE_BYTES)
-    # vLLM's CPU engine downcasts float32 checkpoints to bfloat16 unless told
-    # otherwise: keep the checkpoint's own dtype, and float32 where it names none.
+    # vLLM downcasts float32 checkpoints to half precision unless told otherwise
+    # (bfloat16 on the CPU, float16 or bfloat16 on a GPU): keep the checkpoint's
+    # own dtype, on every platform, and float32 where it names none.
     config = Path(model) / "config.json"
     settings = json.loads(config.read_text()) if config.is_file() else {}
     engine_kwargs.setdefault("dtype", settings.get("dtype") or settings.get("torch_dtype") or "float32")
+    if current_platform.is_cpu() and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        engine_kwargs.setdefault("kv_cache_memory_bytes", CPU_KV_CACHE_BYTES)
+
+
+#: Triton's default precision for a dot product of float32 inputs (``tl.dot``).
+_TRITON_F32 = "TRITON_F32_DEFAULT"
+
+
+@contextlib.contextmanager
+def _float32_kernels(dtype: Any) -> Iterator[None]:
+    """Run a float32 engine's Triton kernels in full float32, where the user chose nothing.
+
+    vLLM's Triton attention computes its dot products with ``tl.dot``, which
+    on an NVIDIA GPU rounds float32 inputs to TF32 (10 bits of mantissa)
+    unless told otherwise. Measured on an H200 (tiny Llama, float32): with
+    TF32 dots the stream is 1.7e-3 away from transformers' (5.6e-4 of its
+    magnitude) from block 1 on; with ``TRITON_F32_DEFAULT=ieee``, which makes
+    those dots full float32, every value of every family is within 3e-6 of
+    its magnitude, as on the CPU engine (another attention backend set by
+    environment variable changed nothing: its kernels are Triton's too). vLLM's
+    engine and worker processes inherit it when they start; this process's
+    environment is restored afterwards. Half-precision engines are untouched.
+    """
+    from vllm.platforms import current_platform
+
+    if str(dtype).removeprefix("torch.") != "float32" or current_platform.is_cpu() or os.environ.get(_TRITON_F32):
+        yield
+        return
+    os.environ[_TRITON_F32] = "ieee"
+    try:
+        yield
+    finally:
+        del os.environ[_TRITON_F32]
 
 
 @contextlib.contextmanager

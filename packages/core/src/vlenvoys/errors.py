@@ -63,6 +63,9 @@ def reraise(error: RuntimeError) -> None:
     simple = {cls.__name__: cls for cls in (InvalidWrite, ReadOnly, SkipRefused)}
     if name in simple:
         raise simple[name](message) from error
+    if "Expected all tensors to be on the same device" in text:  # torch's words, however nnsight wraps them
+        head = text.split("\n\nIntervention traceback:")[0].strip()
+        raise InvalidWrite(f"{head}\n{OTHER_DEVICE}") from error
     if name == "OutOfOrderError":
         from nnsight.intervention.interleaver import OutOfOrderError
 
@@ -78,6 +81,13 @@ def reraise(error: RuntimeError) -> None:
         raise rebuilt from error
 
 
+#: What an in-place edit with a tensor on another device is told (torch refuses the operation).
+OTHER_DEVICE = (
+    "The values live on the engine's device; a tensor made on the CPU (in the caller, or in the block) "
+    "meets them there. Assignment (value = x) and model.steer move it to the engine's device; an in-place "
+    "operation does not: write value += x.to(value.device)."
+)
+
 #: What an out-of-order read is told: the order the model computes the values in.
 FORWARD_ORDER = (
     "Read and write values in the order the model computes them: token_embeddings, then block 0, 1, ...; "
@@ -88,7 +98,8 @@ FORWARD_ORDER = (
 
 
 class InvalidWrite(ValueError):
-    """A written value of the wrong shape, dtype or device, refused in the block that wrote it.
+    """A written value of the wrong shape or dtype, or with NaN or infinite entries, refused in
+    the block that wrote it; or an in-place edit of a value with a tensor on another device.
 
     The model keeps what it had, and the engine goes on serving every other
     request in the step.

@@ -151,11 +151,11 @@ def register_attention() -> str:
     return ORACLE_ATTENTION
 
 
-def load_reference(path) -> torch.nn.Module:
-    """The transformers model of a checkpoint, float32, with the recording attention."""
+def load_reference(path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The transformers model of a checkpoint, on the CPU, in ``dtype`` (float32 by default), with the recording attention."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=register_attention()).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=register_attention()).eval()
 
 
 def _first(value: object) -> torch.Tensor:
@@ -276,8 +276,16 @@ def engine(model: str, **engine_kwargs) -> Iterator:
     """
     from . import load, shutdown
 
-    # Short test prompts: a small context keeps the engine small.
+    # Short test prompts: a small context and KV cache keep the engine small and quick to start
+    # (on a GPU, vLLM would otherwise give the cache most of the device's memory).
     engine_kwargs.setdefault("max_model_len", 256)
+    engine_kwargs.setdefault("kv_cache_memory_bytes", 1 << 30)
+    from vllm.platforms import current_platform  # not torch.cuda: CUDA set up here would spoil a forked engine
+
+    if current_platform.is_cuda_alike():
+        # vLLM refuses to start unless this share of the GPU is free: a small one lets several
+        # test engines (and test processes) share the device.
+        engine_kwargs.setdefault("gpu_memory_utilization", 0.08)
     loaded = load(model, **engine_kwargs)
     try:
         yield loaded

@@ -133,6 +133,7 @@ def tiny_model(
     directory: str | os.PathLike[str],
     *,
     seed: int = 0,
+    dtype: str = "float32",
     **overrides: Any,
 ) -> pathlib.Path:
     """Build and save a tiny random model of ``architecture`` with a tokenizer.
@@ -147,6 +148,8 @@ def tiny_model(
         architecture: A transformers class name from :func:`architectures`.
         directory: Output folder; must be absent, empty or a previous build.
         seed: Seed of the weight initialisation (the tokenizer does not vary).
+        dtype: The saved weights' and config's dtype (a torch dtype name such
+            as ``"bfloat16"``); the weights are drawn in float32 and cast.
         **overrides: Config attributes replacing the defaults, e.g.
             ``sliding_window=8`` or ``num_hidden_layers=2``; aliases such as
             GPT-2's ``n_layer`` or Mixtral's ``num_experts`` are understood.
@@ -154,7 +157,7 @@ def tiny_model(
             ``hidden_size ** -0.5``.
 
     Returns:
-        The absolute path of ``directory``, holding ``config.json`` (float32),
+        The absolute path of ``directory``, holding ``config.json`` (``dtype``),
         ``model.safetensors``, ``generation_config.json``, ``tokenizer.json``
         and ``tokenizer_config.json``.
 
@@ -176,6 +179,8 @@ def tiny_model(
                 "architecture": architecture,
                 "seed": seed,
                 "overrides": overrides,
+                # Only when not the default, so that float32 builds made before it stay valid.
+                **({"dtype": dtype} if dtype != "float32" else {}),
             },
             sort_keys=True,
         )
@@ -189,7 +194,7 @@ def tiny_model(
     with FileLock(target.with_name(f".{target.name}.lock")):
         if _read_marker(target) == marker:  # built by another process meanwhile
             return target
-        _build(target, architecture, seed, overrides, marker)
+        _build(target, architecture, seed, overrides, marker, dtype)
     return target
 
 
@@ -206,6 +211,7 @@ def _build(
     seed: int,
     overrides: dict[str, Any],
     marker: dict[str, Any],
+    dtype: str = "float32",
 ) -> None:
     """Write the model into ``target``; the caller holds the lock."""
     import transformers
@@ -221,7 +227,7 @@ def _build(
     kwargs |= {aliases.get(k, k): v for k, v in overrides.items()}
     hidden = kwargs[aliases.get("hidden_size", "hidden_size")]
     kwargs.setdefault("initializer_range", hidden**-0.5)
-    kwargs["dtype"] = "float32"
+    kwargs["dtype"] = dtype
     config = config_cls(**kwargs)
 
     tokenizer = _tokenizer(config.max_position_embeddings)
@@ -234,6 +240,7 @@ def _build(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_cls(config).to(torch.float32)
+    model = model.to(getattr(torch, dtype))
 
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:

@@ -142,7 +142,11 @@ def unbatched(
 
     ``rows`` is the tensor the model holds at that place now; the written
     value must have exactly the layout it was served in (``[1, *rows.shape]``,
-    heads split out where ``head_dim`` is given), and its dtype and device.
+    heads split out where ``head_dim`` is given) and its dtype. A value on
+    another device (a CPU tensor written into a GPU engine's value) is moved
+    to the engine's: which device the engine's worker uses is the engine's
+    business, while the dtype is the caller's precision, so it is never changed
+    behind the caller's back.
 
     A written value is spliced into the step the engine is running, among
     other requests' rows, and one of another height would reach the next
@@ -154,8 +158,8 @@ def unbatched(
     request made every later request NaN from block 4's attention on).
 
     Raises:
-        InvalidWrite: ``value`` is not a tensor, its shape, dtype or device
-            differs from what was served, or it has NaN or infinite entries.
+        InvalidWrite: ``value`` is not a tensor, its shape or dtype differs
+            from what was served, or it has NaN or infinite entries.
     """
     expected = served_shape(rows, head_dim, batch)
     if not isinstance(value, torch.Tensor):
@@ -167,8 +171,10 @@ def unbatched(
         )
     if value.dtype != rows.dtype:
         raise InvalidWrite(f"{name}: expected dtype {rows.dtype}, got {value.dtype}; convert it with .to({rows.dtype})")
+    if value.is_meta:
+        raise InvalidWrite(f"{name}: expected a tensor on {rows.device}, got one on meta, which holds no data")
     if value.device != rows.device:
-        raise InvalidWrite(f"{name}: expected a tensor on {rows.device}, got one on {value.device}")
+        value = value.to(rows.device)
     if value.is_floating_point() and not bool(torch.isfinite(value).all()):
         raise InvalidWrite(
             f"{name}: the written value has NaN or infinite entries; they would reach the engine's "
