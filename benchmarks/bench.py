@@ -4,6 +4,11 @@ Runs on the built-in SmolLM2-135M-Instruct (float32) on vLLM's engine and
 writes benchmarks/results.md (medians and ratios) and benchmarks/results.png.
 Run with `nox -s bench`. Timings are wall-clock medians over repeats; every
 row's ratio compares runs made in this process, on this machine, minutes apart.
+
+Where torch sees a CUDA device (or with --gpu) it runs the CUDA suite instead:
+a random Llama of a 1B model's shape in bfloat16, on plain vLLM (CUDA graphs,
+eager), the vlenvoys engine, raw nnsight and nnsight's taps=, one engine at a
+time, writing benchmarks/results-h200.md and results-h200.json.
 """
 
 from __future__ import annotations
@@ -11,18 +16,19 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import platform
 import statistics
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 import torch
-
 import vlenvoys
 from vlenvoys.collect import collect
 
@@ -76,7 +82,7 @@ def engine_mib(model) -> float:
 class PeakRSS:
     """The largest resident memory of this process and vLLM's, sampled every 5 ms while in the block (MiB)."""
 
-    def __enter__(self) -> "PeakRSS":
+    def __enter__(self) -> PeakRSS:
         self.peak, self._done = 0.0, threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
@@ -213,15 +219,25 @@ def steered(model, texts, vector, layer, tokens=32, batch=32):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, help="timed runs per measurement after a warm-up (3; CUDA suite 2)")
     parser.add_argument("--quick", action="store_true", help="fewer prompts, for a smoke run")
-    parser.add_argument("--only", type=int, nargs="+", default=[1, 2, 3, 4, 5], help="benchmark sections to run")
-    parser.add_argument("--nnterp", type=Path, help="compat/bench_nnterp.py's JSON: adds nnterp-on-transformers rows")
+    parser.add_argument("--only", type=int, nargs="+", default=[1, 2, 3, 4, 5], help="sections to run (CPU suite)")
+    parser.add_argument("--nnterp", type=Path, help="compat/bench_nnterp.py's JSON: adds nnterp rows (CPU suite)")
+    parser.add_argument("--gpu", action="store_true", help="CUDA suite on the CPU engine (a smoke run)")
+    parser.add_argument("--size", choices=sorted(SIZES), help="CUDA suite's model: 1b (default on CUDA) or tiny")
+    parser.add_argument("--tag", default="h200", help="CUDA suite's files: results-TAG.md and results-TAG.json")
+    parser.add_argument("--engines", nargs="+", choices=ENGINES, default=ENGINES, help="CUDA suite's engines to run")
+    parser.add_argument("--taps-mode", choices=("default", "piecewise"), default="default",
+                        help="CUDA suite's taps engine: vLLM's default graph mode, or PIECEWISE graphs only")
     args = parser.parse_args()
+    if args.gpu or torch.cuda.is_available():
+        cuda_suite(args)
+        return
+    if args.repeats is None:
+        args.repeats = 3
     scale = 4 if args.quick else 1
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from vlenvoys.weights import smollm2_path
 
     path = smollm2_path()
@@ -230,19 +246,24 @@ def main() -> None:
 
     def row(name, ours_label, ours, base_label, base, unit="prompts/s", paired=None):
         rows.append((name, ours_label, ours, base_label, base, unit, paired))
-        print(f"{name}: {ours_label} {ours:.3g} vs {base_label} {base:.3g} {unit} (ratio {ratio(ours, base, paired)})", flush=True)
+        print(f"{name}: {ours_label} {ours:.3g} vs {base_label} {base:.3g} {unit} (ratio {ratio(ours, base, paired)})",
+              flush=True)
 
     try:
         # 1. Overhead of the envoys: every layer's stream, attention output and neurons.
         if 1 in args.only:
             texts = prompts(16)
-            runs = {"ours": lambda: traced(model, texts, every_layer_standard), "raw": lambda: traced(model, texts, every_layer_raw)}
+            runs = {
+                "ours": lambda: traced(model, texts, every_layer_standard),
+                "raw": lambda: traced(model, texts, every_layer_raw),
+            }
             rounds: list[dict[str, float]] = []
             seconds = interleaved(runs, 5 * args.repeats, rounds)
             # The ratio within each round, then their median: the machine's drift over the
             # minute this takes moves both runs of a round alike.
             paired = statistics.median(r["ours"] / r["raw"] for r in rounds)
-            row("1. envoy overhead (every layer, 3 values)", "vlenvoys s", seconds["ours"], "raw nnsight + clone s", seconds["raw"], "s", paired)
+            row("1. envoy overhead (every layer, 3 values)", "vlenvoys s", seconds["ours"],
+                "raw nnsight + clone s", seconds["raw"], "s", paired)
 
         tokenizer = AutoTokenizer.from_pretrained(path)
         reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -281,16 +302,18 @@ def main() -> None:
             grid = [(16, 16), (64, 16), (256 // scale, 16), (16, 64), (16, 256)]
             for count, words in grid:
                 texts = prompts(count, words, words, seed=count + words)
-                ours = count / median_time(lambda: collected(model, texts), 1)
-                plain = count / median_time(lambda: plain_vllm(model, texts), 1)
+                ours = count / median_time(lambda texts=texts: collected(model, texts), 1)
+                plain = count / median_time(lambda texts=texts: plain_vllm(model, texts), 1)
                 row(f"4. collection, {count} prompts of {words} words", "vlenvoys", ours, "plain vLLM", plain)
             for words in (16, 64, 256):
                 texts = prompts(1, words, words)
+                # One line: nnsight ships a lambda by its source, and one on a line that does not parse
+                # alone costs it a parse of this whole file per request.
                 patterns = median_time(
-                    lambda: traced(model, texts, lambda m: [layer.self_attn.attention_probabilities for layer in m.layers]),
+                    lambda texts=texts: traced(model, texts, lambda m: [layer.self_attn.attention_probabilities for layer in m.layers]),  # noqa: E501
                     args.repeats,
                 )
-                streams = median_time(lambda: traced(model, texts, three_layers_standard), args.repeats)
+                streams = median_time(lambda texts=texts: traced(model, texts, three_layers_standard), args.repeats)
                 row(f"4. every layer's pattern, {words} words", "patterns s", patterns, "3 streams s", streams, "s")
 
         # 5. Memory, this process (where the values arrive) and vLLM's processes apart, against
@@ -300,7 +323,10 @@ def main() -> None:
         if 5 in args.only:
             texts = prompts(64 // scale)
             growth, warm_up, peak = {}, {}, {}
-            contenders = (("plain", lambda: plain_vllm_windowed(model, texts)), ("ours", lambda: collected(model, texts)))
+            contenders = (
+                ("plain", lambda: plain_vllm_windowed(model, texts)),
+                ("ours", lambda: collected(model, texts)),
+            )
             for name, run in contenders:
                 start = engine_mib(model)
                 for _ in range(20):
@@ -315,10 +341,13 @@ def main() -> None:
                     gc.collect()
                     peak[name] = max(peak.get(name, 0.0), sampled.peak - before[0] - before[1])
                 growth[name] = (client_mib() - before[0], engine_mib(model) - before[1])
-            row("5a. engine memory growth, 10 rounds", "collect MiB", growth["ours"][1], "plain vLLM MiB", growth["plain"][1], "MiB")
-            row("5b. client memory growth, 10 rounds", "collect MiB", growth["ours"][0], "plain vLLM MiB", growth["plain"][0], "MiB")
-            row("5c. engine memory, 20 warm-up rounds", "collect MiB", warm_up["ours"], "plain vLLM MiB", warm_up["plain"], "MiB")
-            row("5d. peak memory above idle, one round", "collect MiB", peak["ours"], "plain vLLM MiB", peak["plain"], "MiB")
+            ours_mib, plain_mib = "collect MiB", "plain vLLM MiB"
+            engine_growth = (growth["ours"][1], growth["plain"][1])
+            client_growth = (growth["ours"][0], growth["plain"][0])
+            row("5a. engine memory growth, 10 rounds", ours_mib, engine_growth[0], plain_mib, engine_growth[1], "MiB")
+            row("5b. client memory growth, 10 rounds", ours_mib, client_growth[0], plain_mib, client_growth[1], "MiB")
+            row("5c. engine memory, 20 warm-up rounds", ours_mib, warm_up["ours"], plain_mib, warm_up["plain"], "MiB")
+            row("5d. peak memory above idle, one round", ours_mib, peak["ours"], plain_mib, peak["plain"], "MiB")
     finally:
         vlenvoys.shutdown(model)
 
@@ -363,12 +392,17 @@ def write(out: Path, rows) -> None:
     from tabulate import tabulate
 
     table = tabulate(
-        [(name, f"{a:.3g} ({al})", f"{b:.3g} ({bl})", ratio(a, b, paired), unit) for name, al, a, bl, b, unit, paired in rows],
+        [
+            (name, f"{a:.3g} ({al})", f"{b:.3g} ({bl})", ratio(a, b, paired), unit)
+            for name, al, a, bl, b, unit, paired in rows
+        ],
         headers=("benchmark", "vlenvoys", "baseline", "ratio", "unit"),
         tablefmt="github",
     )
-    machine = f"{platform.machine()}, {os.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB, torch {torch.__version__}"
-    (out / "results.md").write_text(f"Machine: {machine}; vlenvoys-core {vlenvoys.__version__} at {checkout()}\n\n{table}\n")
+    memory = psutil.virtual_memory().total / 2**30
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, {memory:.0f} GiB, torch {torch.__version__}"
+    header = f"Machine: {machine}; vlenvoys-core {vlenvoys.__version__} at {checkout()}"
+    (out / "results.md").write_text(f"{header}\n\n{table}\n")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -376,7 +410,8 @@ def write(out: Path, rows) -> None:
 
     figure, axis = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.5))
     names = [name for name, *_ in rows]
-    axis.barh(names, [p if p is not None else a / b if b > 0 and a >= 0 else 0.0 for _, _, a, _, b, _, p in rows], color="tab:blue")
+    ratios = [p if p is not None else a / b if b > 0 and a >= 0 else 0.0 for _, _, a, _, b, _, p in rows]
+    axis.barh(names, ratios, color="tab:blue")
     axis.axvline(1.0, color="black", linewidth=0.8)
     axis.invert_yaxis()
     axis.set_xlabel("ratio (vlenvoys / baseline; for seconds and MiB lower is better, for prompts/s higher)")
@@ -384,6 +419,415 @@ def write(out: Path, rows) -> None:
     figure.tight_layout()
     figure.savefig(out / "results.png", dpi=110)
     print((out / "results.md").read_text())
+
+
+# -- the CUDA suite -------------------------------------------------------------
+
+#: Model shapes of the CUDA suite: a real 1B model's (Llama 3.2 1B's layout, 32k vocabulary; random weights, as
+#: the GPU machine reaches no hub), or tiny_model's own defaults (hidden 128, 3 layers) for a smoke run on the CPU.
+SIZES: dict[str, dict[str, int]] = {
+    "1b": {
+        "hidden_size": 2048,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "intermediate_size": 8192,
+        "vocab_size": 32768,
+    },
+    "tiny": {},
+}
+MAX_MODEL_LEN = 1024
+TOKENS = 64  # generated per prompt, every one steered
+PER_TRACE = 64  # invokes per trace, and collect's requests in flight
+TAPS = ["model.layers.*.output"]
+ENGINES = ["graphs", "eager", "vlenvoys", "raw", "taps"]
+
+#: (row, ours, baseline): measurement keys, "engine.workload"; a row is formed once both sides are measured.
+CUDA_ROWS = [
+    ("1. collection vs plain vLLM, CUDA graphs", "vl.collect", "graphs.prefill"),
+    ("2. collection vs plain vLLM, eager", "vl.collect", "eager.prefill"),
+    ("3. collection vs raw nnsight trace", "vl.collect", "raw.trace"),
+    ("4. collection vs nnsight taps trace", "vl.collect", "taps.trace"),
+    ("5. trace, 3 reads vs plain vLLM, CUDA graphs", "vl.trace", "graphs.prefill"),
+    ("6. trace, 3 reads vs raw nnsight trace", "vl.trace", "raw.trace"),
+    ("7. trace reading nothing vs plain vLLM, CUDA graphs", "vl.empty", "graphs.prefill"),
+    ("8. steered generation vs plain vLLM, CUDA graphs", "vl.steer", "graphs.generate"),
+    ("9. steered generation vs plain vLLM, eager", "vl.steer", "eager.generate"),
+    ("10. steered generation vs raw nnsight steering", "vl.steer", "raw.steer"),
+    ("11. steered generation vs nnsight taps steering", "vl.steer", "taps.steer"),
+    ("12. vlenvoys engine, plain prefill vs plain vLLM, eager", "vl.prefill", "eager.prefill"),
+    ("13. vlenvoys engine, plain generation vs plain vLLM, eager", "vl.generate", "eager.generate"),
+    # What the baselines cost against each other, for reading the rows above.
+    ("14. plain vLLM eager vs CUDA graphs, generation", "eager.generate", "graphs.generate"),
+    ("15. nnsight taps, plain prefill vs CUDA graphs", "taps.prefill", "graphs.prefill"),
+    ("16. nnsight taps, plain generation vs CUDA graphs", "taps.generate", "graphs.generate"),
+]
+
+
+def cuda_checkpoint(size: str) -> Path:
+    """The suite's random Llama in bfloat16, built once into $VLENVOYS_CACHE (or ~/.cache/vlenvoys)."""
+    from vlenvoys.testing import tiny_model
+
+    root = Path(os.environ.get("VLENVOYS_CACHE") or Path.home() / ".cache" / "vlenvoys").expanduser()
+    # tiny_model's 256 positions are fewer than a 120-word prompt and its 64 generated tokens may need.
+    shape = SIZES[size] | {"max_position_embeddings": MAX_MODEL_LEN}
+    return tiny_model("LlamaForCausalLM", root / f"bench-llama-{size}-bfloat16", dtype="bfloat16", **shape)
+
+
+def requests(llm, texts, tokens):
+    """Plain vLLM requests on ``llm`` (a ``vllm.LLM``): greedy, exactly ``tokens`` generated each."""
+    from vllm import SamplingParams
+
+    llm.generate(texts, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True), use_tqdm=False)
+
+
+def steered_every_step(model, texts, vector, device, edit, tokens=TOKENS, batch=PER_TRACE):
+    """``edit(model, vector)`` at every step of each prompt's generation, ``batch`` invokes per trace.
+
+    The vector travels on the CPU and is moved to ``device`` once per invoke, in the block, on the
+    engine: raw nnsight's in-place add needs it on the stream's device (``steer`` would move it
+    itself), and every contender pays the same move.
+    """
+    for start in range(0, len(texts), batch):
+        with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True) as tracer:
+            for text in texts[start : start + batch]:
+                with tracer.invoke(text):
+                    on_device = vector.to(device)
+                    for _ in tracer.iter[0:tokens]:
+                        edit(model, on_device)
+
+
+def steps_served(model, text, read, tokens=TOKENS) -> int:
+    """At how many of a generation's ``tokens`` steps a block reached ``read(model)``.
+
+    All of them on an eager engine; fewer where a step replays a CUDA graph that passes no tap,
+    which nnsight reports only as a warning (the loop is cut short), so a steering rate measured
+    there would not be every step's.
+    """
+    with model.trace(temperature=0.0, max_tokens=tokens, ignore_eos=True) as tracer:
+        seen = list().save()
+        with tracer.invoke(text):
+            for _ in tracer.iter[0:tokens]:
+                read(model)
+                seen.append(1)
+    return len(seen)
+
+
+def github_table(rows, headers) -> str:
+    try:
+        from tabulate import tabulate
+    except ImportError:  # the GPU bundle (shared/tools/gpu-bundle) ships no tabulate
+        lines = [headers, ["---"] * len(headers), *rows]
+        return "\n".join("| " + " | ".join(map(str, line)) + " |" for line in lines)
+    return tabulate(rows, headers=headers, tablefmt="github")
+
+
+class Board:
+    """The CUDA suite's measurements, the rows formed from them, and results-TAG.md/json written from both."""
+
+    def __init__(self, out: Path, tag: str, header: str, repeats: int) -> None:
+        self.md, self.json = out / f"results-{tag}.md", out / f"results-{tag}.json"
+        self.header, self.repeats = header, repeats
+        self.measured: dict[str, tuple[str, float, str]] = {}  # key -> (label, value, unit)
+        self.notes: list[str] = []
+        self.engines: list[str] = []
+        self.printed: set[str] = set()
+
+    def note(self, text: str) -> None:
+        print(f"  note: {text}", flush=True)
+        self.notes.append(text)
+
+    def measure(self, key: str, label: str, unit: str, amount: int, run: Callable[[], object]) -> None:
+        """``amount`` (prompts or tokens) over the median seconds of ``run``; a failure is noted, not raised."""
+        try:
+            value = amount / median_time(run, self.repeats)
+        except Exception as error:  # one workload failing should not lose the rest of a one-shot GPU run
+            traceback.print_exc()
+            self.note(f"{key} ({label}) failed: {type(error).__name__}: {error}")
+            return
+        self.measured[key] = (label, value, unit)
+        self.write()  # a run killed later keeps this
+        print(f"  {key}: {label} {value:.4g} {unit}", flush=True)
+        for name, row in self.rows().items():
+            if name not in self.printed:
+                self.printed.add(name)
+                print(f"{name}: {row['ours_label']} {row['ours']:.4g} vs {row['baseline_label']} "
+                      f"{row['baseline']:.4g} {row['unit']} (ratio {row['ratio']:.3f})", flush=True)
+
+    def rows(self) -> dict[str, dict]:
+        rows = {}
+        for name, ours, base in CUDA_ROWS:
+            if ours in self.measured and base in self.measured:
+                (ours_label, value, unit), (base_label, baseline, _) = self.measured[ours], self.measured[base]
+                rows[name] = {
+                    "ours": value,
+                    "baseline": baseline,
+                    "ratio": value / baseline,
+                    "unit": unit,
+                    "ours_label": ours_label,
+                    "baseline_label": base_label,
+                }
+        return rows
+
+    def write(self, final: bool = False) -> None:
+        rows = self.rows()
+        self.json.write_text(json.dumps(rows, indent=2) + "\n")
+        table = github_table(
+            [(name, f"{r['ours']:.4g} ({r['ours_label']})", f"{r['baseline']:.4g} ({r['baseline_label']})",
+              f"{r['ratio']:.3f}", r["unit"]) for name, r in rows.items()],
+            ("benchmark", "vlenvoys", "baseline", "ratio", "unit"),
+        )
+        measured = github_table(
+            [(key, label, f"{value:.4g}", unit) for key, (label, value, unit) in self.measured.items()],
+            ("measurement", "what", "value", "unit"),
+        )
+        state = "complete run" if final else f"partial run, engines done: {', '.join(self.engines) or 'none'}"
+        missing = [name for name, *_ in CUDA_ROWS if name not in rows]
+        notes = self.notes + ([f"rows not formed (a side not measured): {', '.join(missing)}"] if missing else [])
+        text = (f"# vlenvoys benchmarks on CUDA ({state})\n\n{self.header}\n\n{table}\n\n"
+                f"Every measurement (ratios above are between these):\n\n{measured}\n")
+        if notes:
+            text += "\nNotes:\n\n" + "".join(f"- {note}\n" for note in notes)
+        self.md.write_text(text)
+
+
+def cuda_header(path: Path, config: dict, layers, steer_layer: int, counts: tuple[int, int], repeats: int,
+                taps_mode: str) -> str:
+    import nnsight
+    import vllm
+    from safetensors import safe_open
+
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        device = f"{props.name} ({props.total_memory / 2**30:.0f} GiB)"
+    else:
+        device = "no CUDA device, vLLM's CPU engine (a smoke run of the CUDA suite)"
+    memory = psutil.virtual_memory().total / 2**30
+    parameters = 0
+    for shard in path.glob("*.safetensors"):
+        with safe_open(shard, "pt") as tensors:
+            for name in tensors.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                parameters += math.prod(tensors.get_slice(name).get_shape())
+    environment = ", ".join(
+        f"{name}={os.environ[name]}"
+        for name in ("VLLM_USE_V2_MODEL_RUNNER", "VLLM_USE_FLASHINFER_SAMPLER", "VLLM_WORKER_MULTIPROC_METHOD",
+                     "VLLM_ATTENTION_BACKEND", "VLLM_USE_BREAKABLE_CUDAGRAPH")
+        if name in os.environ
+    )
+    prefill, generate = counts
+    return "\n".join((
+        f"Machine: {device}, {os.cpu_count()} cores, {memory:.0f} GiB; torch {torch.__version__}, "
+        f"vLLM {vllm.__version__}, nnsight {nnsight.__version__}; vlenvoys-core {vlenvoys.__version__} at {checkout()}",
+        "",
+        "Model: random-weight LlamaForCausalLM (vlenvoys.testing.tiny_model, seed 0): "
+        f"hidden {config['hidden_size']}, {config['num_hidden_layers']} layers, "
+        f"{config['num_attention_heads']} query / {config['num_key_value_heads']} kv heads "
+        f"of {config.get('head_dim') or config['hidden_size'] // config['num_attention_heads']}, "
+        f"intermediate {config['intermediate_size']}, vocab {config['vocab_size']}, bfloat16, "
+        f"{parameters / 1e9:.3g}B parameters",
+        "",
+        f"Workloads: prefill = {prefill} prompts of 16-120 words, one token each (prompts/s); generation = {generate} "
+        f"prompts x {TOKENS} tokens, greedy, ignore_eos (tokens/s). Reads: layer_output (raw: hidden + residual, "
+        f"cloned) at layers {', '.join(map(str, layers))}; steering at layer {steer_layer}, every step; "
+        f"{PER_TRACE} invokes per trace, collect with {PER_TRACE} requests in flight. Medians of {repeats} runs "
+        "after a warm-up. Engines one at a time in one process, each shut down before the next: "
+        f"gpu_memory_utilization 0.5, max_model_len {MAX_MODEL_LEN}, prefix caching off (repeats of the same "
+        f"prompts would otherwise be served from it); nnsight's taps={TAPS} on "
+        + ("vLLM's default graph mode." if taps_mode == "default" else "PIECEWISE graphs only (--taps-mode piecewise)"),
+        "",
+        f"Environment for the engines: {environment or 'no vLLM variables set'}",
+    ))
+
+
+def gpu_free_bytes() -> int:
+    return torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
+
+
+def wait_for_release(free_before: int, timeout: float = 60.0) -> bool:
+    """Wait until the GPU memory an engine held is free again (its process may take a moment to go)."""
+    if not torch.cuda.is_available():
+        return True
+    torch.cuda.empty_cache()
+    deadline = time.monotonic() + timeout
+    while gpu_free_bytes() < free_before - 2 * 2**30:  # within 2 GiB of before the first engine
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+    return True
+
+
+def stop(engine) -> None:
+    """Shut an engine's core (and its worker processes) down: nnsight's VLLM (ours or raw) or a plain vllm.LLM."""
+    if hasattr(engine, "vllm_entrypoint"):
+        vlenvoys.shutdown(engine)
+    else:
+        engine.llm_engine.engine_core.shutdown()
+
+
+def cuda_suite(args) -> None:
+    """Five engines one after another on the suite's model; each row is printed once both its sides are measured."""
+    cuda = torch.cuda.is_available()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the checkpoint is local; the GPU machine reaches no hub
+    if cuda:
+        # vLLM 0.32's sampler imports flashinfer unguarded on CUDA; the GPU bundle ships none (GPU_NOTES.md).
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+    # This process sets up CUDA (torch.cuda calls here; traced values come home as CUDA tensors), after which
+    # an engine started by fork fails ("Cannot re-initialize CUDA in forked subprocess"): pin spawn, so that
+    # every engine starts alike and a tapped engine's worker imports vLLM's attention with breakable graphs on.
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    size = args.size or ("1b" if cuda else "tiny")
+    repeats = args.repeats or 2
+    scale = 4 if args.quick else 1
+    began = time.perf_counter()
+
+    print(f"checkpoint: random Llama, size {size} (built on first use; a 1b build takes a minute)", flush=True)
+    path = cuda_checkpoint(size)
+    config = json.loads((path / "config.json").read_text())
+    count = config["num_hidden_layers"]
+    layers = sorted({count // 4, count // 2, 3 * count // 4})
+    steer_layer = count // 2
+    prefill = prompts(512 // scale, 16, 120, seed=1)
+    generate = prompts(128 // scale, 16, 120, seed=2)
+    vector = (torch.randn(config["hidden_size"], generator=torch.Generator().manual_seed(0)) * 4).to(torch.bfloat16)
+    device = "cuda" if cuda else "cpu"
+    engine_args = {"dtype": "bfloat16", "max_model_len": MAX_MODEL_LEN, "enable_prefix_caching": False}
+    if cuda:
+        engine_args["gpu_memory_utilization"] = 0.5
+    # vLLM's CPU engine would reserve a share of the machine's memory for its KV cache (vlenvoys.load sets its own).
+    plain_args = engine_args | ({} if cuda else {"kv_cache_memory_bytes": vlenvoys.engine.CPU_KV_CACHE_BYTES})
+
+    counts = (len(prefill), len(generate))
+    header = cuda_header(path, config, layers, steer_layer, counts, repeats, args.taps_mode)
+    board = Board(args.out, args.tag, header, repeats)
+    free = gpu_free_bytes()
+
+    def standard_reads(model):
+        return [model.layers[i].layer_output for i in layers]
+
+    def raw_reads(model):
+        out = []
+        for i in layers:
+            hidden, residual = model.model.layers[i].output
+            out.append((hidden + residual).clone())
+        return out
+
+    # What runs in the blocks is named functions, not lambdas: nnsight ships a function of this script by its
+    # source, and a lambda's source inside a call spanning lines costs a parse of this whole file per request.
+    def no_reads(model):
+        return []
+
+    def steer(model, vector):
+        model.steer(steer_layer, vector)
+
+    def raw_steer(model, vector):
+        model.model.layers[steer_layer].output[0].add_(vector)  # in place: a tap's replay keeps only in-place edits
+
+    def stream(model):
+        return model.layers[steer_layer].layer_output
+
+    def raw_stream(model):
+        return model.model.layers[steer_layer].output
+
+    def plain(prefix: str, label: str, llm) -> None:
+        board.measure(f"{prefix}.prefill", label, "prompts/s", len(prefill), lambda: requests(llm, prefill, 1))
+        board.measure(f"{prefix}.generate", label, "tokens/s", len(generate) * TOKENS,
+                      lambda: requests(llm, generate, TOKENS))
+
+    def served(label: str, model, read) -> str:
+        """"N/64 steps": how many generation steps a block reaches the steered layer at (see `steps_served`)."""
+        try:
+            steps = steps_served(model, generate[0], read)
+        except Exception as error:
+            traceback.print_exc()
+            board.note(f"{label}: the steps check failed: {type(error).__name__}: {error}")
+            return "steps unchecked"
+        if steps < TOKENS:
+            board.note(f"{label}: a block reached layer {steer_layer} at {steps} of {TOKENS} generation steps only, "
+                       "so its steering rate is not every step's")
+        return f"{steps}/{TOKENS} steps"
+
+    def raw(prefix: str, label: str, model) -> None:
+        """Raw nnsight on vLLM's modules: 3 stream reads; steering by an in-place add to the layer's hidden output."""
+        board.measure(f"{prefix}.trace", f"{label} trace", "prompts/s", len(prefill),
+                      lambda: traced(model, prefill, raw_reads, batch=PER_TRACE))
+        steps = served(label, model, raw_stream)
+        board.measure(f"{prefix}.steer", f"{label} steered ({steps})", "tokens/s", len(generate) * TOKENS,
+                      lambda: steered_every_step(model, generate, vector, device, raw_steer))
+
+    def ours(model) -> None:
+        plain("vl", "vlenvoys engine, plain", model.vllm_entrypoint)
+        board.measure("vl.collect", "vlenvoys collect", "prompts/s", len(prefill),
+                      lambda: collect(model, prefill, "layer_output", layers, batch_size=PER_TRACE))
+        board.measure("vl.trace", "vlenvoys trace", "prompts/s", len(prefill),
+                      lambda: traced(model, prefill, standard_reads, batch=PER_TRACE))
+        board.measure("vl.empty", "vlenvoys trace, no reads", "prompts/s", len(prefill),
+                      lambda: traced(model, prefill, no_reads, batch=PER_TRACE))
+        steps = served("vlenvoys", model, stream)
+        board.measure("vl.steer", f"vlenvoys steered ({steps})", "tokens/s", len(generate) * TOKENS,
+                      lambda: steered_every_step(model, generate, vector, device, steer))
+        if not cuda and "raw" in args.engines:
+            # nnsight's own worker refuses vLLM's CPU runner: its raw paths run on our engine's modules here.
+            raw("raw", "raw nnsight (vlenvoys engine)", model)
+
+    def engine(name: str, start: Callable[[], object], work: Callable[[object], None]) -> None:
+        """Start one engine, measure on it, shut it down and wait for its GPU memory; a failure is noted."""
+        print(f"\n== {name} ({time.perf_counter() - began:.0f} s into the run)", flush=True)
+        environ = dict(os.environ)  # nnsight sets VLLM_USE_V2_MODEL_RUNNER, and for taps VLLM_USE_BREAKABLE_CUDAGRAPH
+        started = time.perf_counter()
+        model = None
+        try:
+            model = start()
+            print(f"  up in {time.perf_counter() - started:.0f} s", flush=True)
+            work(model)
+            board.engines.append(name)
+        except Exception as error:
+            traceback.print_exc()
+            board.note(f"{name}: {type(error).__name__}: {error}")
+        finally:
+            if model is not None:
+                stop(model)
+            del model
+            gc.collect()
+            os.environ.clear()
+            os.environ.update(environ)
+            if not wait_for_release(free):
+                board.note(f"after {name}, the GPU memory had not come back within 60 s")
+            board.write()
+            print(f"  {name} done in {time.perf_counter() - started:.0f} s", flush=True)
+
+    from nnsight.modeling.vllm import VLLM
+    from vllm import LLM
+
+    # With vLLM's default FULL_AND_PIECEWISE, a pure decode step replays a FULL graph, which nnsight's taps do not
+    # break (they break only vLLM's breakable PIECEWISE graphs); PIECEWISE alone puts every step through them.
+    piecewise = {"compilation_config": {"cudagraph_mode": "PIECEWISE"}}
+    taps_args = engine_args | (piecewise if args.taps_mode == "piecewise" else {})
+    if "graphs" in args.engines and not cuda:
+        board.note("plain vLLM with CUDA graphs: skipped, no CUDA device")
+    elif "graphs" in args.engines:
+        engine("plain vLLM, CUDA graphs", lambda: LLM(str(path), **plain_args),
+               lambda llm: plain("graphs", "plain vLLM graphs", llm))
+    if "eager" in args.engines:
+        engine("plain vLLM, eager", lambda: LLM(str(path), enforce_eager=True, **plain_args),
+               lambda llm: plain("eager", "plain vLLM eager", llm))
+    if "vlenvoys" in args.engines:
+        engine("vlenvoys", lambda: vlenvoys.load(str(path), **engine_args), ours)
+    if "raw" in args.engines and not cuda:
+        board.note("raw nnsight's own engine: skipped, its worker refuses vLLM's CPU runner "
+                   "(its raw reads and steering ran on the vlenvoys engine's modules instead)")
+    elif "raw" in args.engines:
+        engine("raw nnsight", lambda: VLLM(str(path), dispatch=True, **engine_args),
+               lambda model: raw("raw", "raw nnsight", model))
+    if "taps" in args.engines and not cuda:
+        board.note("nnsight taps=: skipped, CUDA graphs only")
+    elif "taps" in args.engines:
+        # Last: taps= turns vLLM's breakable graphs on through this process's environment (restored after).
+        engine("nnsight taps", lambda: VLLM(str(path), dispatch=True, taps=TAPS, **taps_args),
+               lambda model: (plain("taps", "nnsight taps, plain", model.vllm_entrypoint),
+                              raw("taps", "nnsight taps", model)))
+    board.write(final=True)
+    print(f"\n{board.md.read_text()}\nwrote {board.md} and {board.json} in {time.perf_counter() - began:.0f} s")
 
 
 if __name__ == "__main__":

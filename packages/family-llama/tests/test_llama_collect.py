@@ -122,45 +122,82 @@ def test_someone_elses_request_carries_no_saves_and_is_unchanged(subject):
     assert_gone_from_the_engine(model, name)
 
 
-@on_tiny_llama
-def test_registration_is_gone_after_collect_returns(subject):
-    model = subject.model
-    names = []
-    collect(model, subject.prompts, "layer_output", 0, batch_size=1, progress=lambda _: names.extend(installed_private(model)))
-    assert len(set(names)) == 1
-    assert_gone_from_the_engine(model, names[0])
+#: One value per path: layer_output takes the batched hooks (`vlenvoys.collector`); the pattern,
+#: recomputed per request, takes the block registered with nnsight.
+PATHS = {"hooks": "layer_output", "registration": "attention_probabilities"}
+
+
+def collectors_on_engine(model) -> int:
+    return model.vllm_entrypoint.llm_engine.collective_rpc("vlenvoys_collect_count")[0]
+
+
+def watcher(model, seen: list):
+    """A progress callback noting, after each step, what collect has installed on the engine."""
+    return lambda finished: seen.append((tuple(installed_private(model)), collectors_on_engine(model)))
+
+
+def assert_nothing_left(model, path: str, seen: list) -> None:
+    """What the run installed was there while it ran, and is gone from the client and the worker."""
+    assert seen, "the run finished some prompts before it ended"
+    names = {name for installed, _ in seen for name in installed}
+    if path == "registration":
+        assert len(names) == 1 and all(count == 0 for _, count in seen)
+        assert_gone_from_the_engine(model, names.pop())
+    else:
+        assert not names and all(count == 1 for _, count in seen)
+    assert collectors_on_engine(model) == 0 and installed_private(model) == []
 
 
 @on_tiny_llama
-def test_registration_is_gone_after_a_prompt_is_refused_midway(subject):
-    model, prompts = subject.model, subject.prompts
-    names = []
+@pytest.mark.parametrize("path", list(PATHS))
+def test_nothing_is_left_after_collect_returns(subject, path):
+    model, seen = subject.model, []
+    got = collect(model, subject.prompts, PATHS[path], 0, batch_size=1, progress=watcher(model, seen))
+    assert len(got[f"{PATHS[path]}.0"]) == len(subject.prompts)
+    assert_nothing_left(model, path, seen)
+
+
+@on_tiny_llama
+@pytest.mark.parametrize("path", list(PATHS))
+def test_nothing_is_left_after_a_prompt_is_refused_midway(subject, path):
+    model, prompts, seen = subject.model, subject.prompts, []
     too_long = prompts[0] * 200  # past the engine's max_model_len (256)
     with pytest.raises(ValueError, match="prompt 2: .*maximum context length is 256"):
-        collect(model, [prompts[0], prompts[1], too_long, prompts[2]], "layer_output", 0, batch_size=1,
-                progress=lambda _: names.extend(installed_private(model)))
-    assert len(set(names)) == 1, "the registration was installed and values came back before the refusal"
-    assert_gone_from_the_engine(model, names[0])
-    assert len(collect(model, prompts, "layer_output", 0)["layer_output.0"]) == len(prompts)
+        collect(model, [prompts[0], prompts[1], too_long, prompts[2]], PATHS[path], 0, batch_size=1, progress=watcher(model, seen))
+    assert_nothing_left(model, path, seen)
+    assert len(collect(model, prompts, PATHS[path], 0)[f"{PATHS[path]}.0"]) == len(prompts)
 
 
 @on_tiny_llama
-def test_registration_is_gone_after_an_interrupt_with_requests_in_flight(subject):
+@pytest.mark.parametrize("path", list(PATHS))
+def test_nothing_is_left_after_an_interrupt_with_requests_in_flight(subject, path):
     model, prompts = subject.model, subject.prompts
     engine = model.vllm_entrypoint.llm_engine
-    names, unfinished = [], []
+    seen, unfinished = [], []
+    noting = watcher(model, seen)
 
     def interrupt(finished):
-        names.extend(installed_private(model))
+        noting(finished)
         unfinished.append(engine.get_num_unfinished_requests())
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        collect(model, prompts * 4, "layer_output", 0, batch_size=2, progress=interrupt)
+        collect(model, prompts * 4, PATHS[path], 0, batch_size=2, progress=interrupt)
     assert unfinished[0] > 0, "requests were in flight when it was interrupted"
     assert not engine.has_unfinished_requests(), "and were aborted"
-    assert_gone_from_the_engine(model, names[0])
-    assert len(collect(model, prompts, "layer_output", 0)["layer_output.0"]) == len(prompts)
+    assert_nothing_left(model, path, seen)
+    assert len(collect(model, prompts, PATHS[path], 0)[f"{PATHS[path]}.0"]) == len(prompts)
+
+
+@on_tiny_llama
+def test_both_paths_serve_the_same_values(subject):
+    """The hooks and the registered block read layer_output through one declaration: the same tensors."""
+    model, prompts = subject.model, subject.prompts
+    hooks = collect(model, prompts, ["layer_output"], [0, 2])
+    registration = collect(model, prompts, ["layer_output", "attention_probabilities"], [0, 2])
+    for key in ("layer_output.0", "layer_output.2"):
+        for ours, theirs in zip(hooks[key], registration[key], strict=True):
+            assert torch.equal(ours, theirs), key
 
 
 @on_tiny_llama

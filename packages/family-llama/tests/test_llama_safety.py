@@ -150,6 +150,25 @@ def test_a_faulty_request_ends_alone(subject, fault):
     assert torch.equal(again, alone), "the engine must go on serving"
 
 
+@pytest.mark.parametrize("subject", ["LlamaForCausalLM"], indirect=True)
+def test_a_save_that_cannot_be_sent_back_fails_its_trace_alone(subject):
+    """A saved lambda, alone or in a list: a TypeError naming the variable; the engine goes on."""
+    import nnsight
+
+    model, prompt = subject.model, subject.prompts[1]
+    (_, alone), = run(model, [prompt])
+    with pytest.raises(TypeError, match=r"the saved variable 'keep' \(builtins\.function\) cannot be sent back"):
+        with model.trace(prompt, temperature=0.0):
+            keep = nnsight.save(lambda x: x)  # noqa: F841
+            model.layers[1].layer_output.save()
+    with pytest.raises(TypeError, match=r"the saved variable 'kept' \(builtins\.list\) cannot be sent back"):
+        with model.trace(prompt, temperature=0.0):
+            kept = list().save()
+            kept.append(lambda x: x)
+    (_, again), = run(model, [prompt])
+    assert torch.equal(again, alone), "the engine must go on serving"
+
+
 @on_safety_models
 def test_skip_alone_equals_transformers_with_the_block_skipped(subject):
     model, prompt, skipped = subject.model, subject.prompts[2], 1
@@ -207,6 +226,24 @@ def test_prefix_cache_never_serves_short_values(caching_engine):
     second = run(caching_engine, [ids])[0]
     assert first[0].shape[1] == second[0].shape[1] == len(ids)
     assert torch.equal(first[0], second[0])
+
+
+def test_collect_joins_chunked_prefill_and_never_reads_the_prefix_cache(caching_engine):
+    """collect's hooks take a prompt's rows from every chunk of its prefill, and a repeated prompt whole."""
+    from transformers import AutoTokenizer
+
+    path = caching_engine.args[0]
+    ids = AutoTokenizer.from_pretrained(path)(testing.PROMPTS[3])["input_ids"]
+    assert len(ids) > 16, "longer than one 16-token step, so its prefill comes in chunks"
+    first, second = (vlenvoys.collect(caching_engine, [ids], "layer_output", [0, 2]) for _ in range(2))
+    expected = oracle.reference(oracle.load_reference(path), ids)["values"]["layer_output"]
+    for layer in (0, 2):
+        got = first[f"layer_output.{layer}"][0]
+        assert got.shape == (1, len(ids), expected[layer].shape[-1])
+        assert torch.equal(got, second[f"layer_output.{layer}"][0]), "the repeat was served whole, not from the cache"
+        difference = difference_of(got, expected[layer]).max().item()
+        record("LlamaForCausalLM (chunked prefill)", "collect: layer_output", difference)
+        assert difference <= 1e-4 * max(1.0, expected[layer].abs().max().item())
 
 
 def test_chunked_prefill_is_refused_not_short(caching_engine):

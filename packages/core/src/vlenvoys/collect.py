@@ -2,11 +2,16 @@
 
 A trace ships its block to the engine on every request it makes, so reading
 the same values of a thousand prompts serializes and deserializes the same
-block a thousand times. `collect` installs the block on the engine once
-(nnsight's registration, ``model.edit``), submits the prompts as plain vLLM
-requests that ask for it by name, and takes each request's values off its
-output. The values are the ones a trace reads: the block is written against
-the same envoys, and each request runs its own copy of it over its own rows.
+block a thousand times. `collect` submits the prompts as plain vLLM requests
+and reads their values on the engine in one of two ways. Values that are one
+tensor at a module (the streams, contributions, heads, neurons) take the fast
+path, `vlenvoys.collector`: one hook per module per step reads every request's
+rows at once, and no nnsight worker runs per request. The others (the
+patterns, values inside a forward, tensor-parallel engines) take the general
+path: a block installed on the engine once (nnsight's registration,
+``model.edit``) that each request asks for by name and runs over its own rows,
+its values taken off its output. Both serve the values a trace reads, through
+the same declarations.
 
 The engine is shared, and nnsight runs a named registration on every request
 that names no edits, other tenants' included. vlenvoys' workers run one named
@@ -26,6 +31,7 @@ from typing import Any
 import torch
 from nnsight.intervention.interleaver import Mediator
 
+from . import collector
 from .values import unmark
 
 __all__ = ["PRIVATE", "collect", "registered", "serve_private_edits"]
@@ -98,11 +104,59 @@ def collect(
     results: dict[str, list[torch.Tensor]] = {f"{value}.{layer}": [] for layer, _, value in reads}
     if not prompts:
         return results
-    with registered(model, reads) as name:
-        for saved in _run(model, prompts, name, batch_size, progress):
-            for key, tensors in results.items():
-                tensors.append(saved[key])
+    if collector.eligible(model, reads) is None and _ranks(model) == 1:
+        runs = _batched(model, prompts, reads, batch_size, progress)
+    else:
+        runs = _registered(model, prompts, reads, batch_size, progress)
+    for saved in runs:
+        for key, tensors in results.items():
+            tensors.append(saved[key])
     return results
+
+
+def _ranks(model: Any) -> int:
+    return int(model.vllm_entrypoint.llm_engine.vllm_config.parallel_config.tensor_parallel_size)
+
+
+def _registered(model: Any, prompts: list, reads: list[Read], batch_size: int, progress: Any) -> list[dict]:
+    """The general path: a block installed with nnsight's registration, one nnsight worker per request."""
+    with registered(model, reads) as name:
+        params = _params({"nnsight_edits": [name]})
+        return _run(model, prompts, params, batch_size, progress, lambda finished: [_values_of(*each) for each in finished])
+
+
+def _batched(model: Any, prompts: list, reads: list[Read], batch_size: int, progress: Any) -> list[dict]:
+    """The fast path: one hook per module per step on the worker, no nnsight worker per request (`vlenvoys.collector`)."""
+    engine = model.vllm_entrypoint.llm_engine
+    name = collector.new_name()
+    engine.collective_rpc("vlenvoys_collect_start", args=(name, reads))
+
+    def fetch(finished: list) -> list[dict]:
+        (packed, *_) = engine.collective_rpc("vlenvoys_collect_take", args=(name, [output.request_id for output, _ in finished]))
+        taken = collector.unpack(packed)
+        values = []
+        for output, index in finished:
+            got = taken[output.request_id]
+            if isinstance(got, str):
+                raise RuntimeError(f"prompt {index}: {got}")
+            values.append(got)
+        return values
+
+    try:
+        return _run(model, prompts, _params({collector.KEY: name}), batch_size, progress, fetch)
+    finally:
+        _clean_up(model, lambda: engine.collective_rpc("vlenvoys_collect_stop", args=(name,)), quietly=True)
+
+
+def _params(extra_args: dict) -> Any:
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    params = SamplingParams(temperature=0.0, max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY, extra_args=extra_args)
+    # A prefix-cached token runs no forward, so its rows would be missing from the values.
+    if hasattr(params, "skip_reading_prefix_cache"):
+        params.skip_reading_prefix_cache = True
+    return params
 
 
 @contextlib.contextmanager
@@ -155,21 +209,21 @@ def _read_only(envoy: Any, name: str) -> torch.Tensor:
 
 
 def _run(
-    model: Any, prompts: list, name: str, batch_size: int, progress: Callable[[int], Any] | None
+    model: Any,
+    prompts: list,
+    params: Any,
+    batch_size: int,
+    progress: Callable[[int], Any] | None,
+    fetch: Callable[[list], list[dict[str, torch.Tensor]]],
 ) -> list[dict[str, torch.Tensor]]:
-    """Each prompt's saved values, driving the engine with ``batch_size`` requests in flight."""
-    from vllm import SamplingParams
+    """Each prompt's values, driving the engine with ``batch_size`` requests in flight.
+
+    ``fetch`` gets each step's finished ``(output, prompt index)`` pairs and returns their values.
+    """
     from vllm.exceptions import VLLMClientError
     from vllm.inputs import TokensPrompt
-    from vllm.sampling_params import RequestOutputKind
 
     engine = model.vllm_entrypoint.llm_engine
-    params = SamplingParams(
-        temperature=0.0, max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY, extra_args={"nnsight_edits": [name]}
-    )
-    # A prefix-cached token runs no forward, so its rows would be missing from the values.
-    if hasattr(params, "skip_reading_prefix_cache"):
-        params.skip_reading_prefix_cache = True
     run = uuid.uuid4().hex[:12]
     saved: list[dict] = [{}] * len(prompts)
     in_flight: dict[str, int] = {}
@@ -194,17 +248,18 @@ def _run(
         while in_flight:
             if not engine.has_unfinished_requests():
                 raise RuntimeError(f"{len(in_flight)} collect requests left the engine without finishing")
-            finished = 0
+            finished = []
             for output in engine.step():
                 if not output.finished or output.request_id not in in_flight:
                     continue  # not ours (the synchronous engine has one caller at a time)
-                index = in_flight.pop(output.request_id)
-                saved[index] = _values_of(output, index)
-                finished += 1
+                finished.append((output, in_flight.pop(output.request_id)))
+            if finished:
+                for (_, index), values in zip(finished, fetch(finished), strict=True):
+                    saved[index] = values
             # Refill first: the engine works on the next step while the caller reports.
             submit()
             if finished and progress is not None:
-                progress(finished)
+                progress(len(finished))
     except BaseException:
         unfinished = list(in_flight)
 

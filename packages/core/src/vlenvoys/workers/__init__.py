@@ -69,8 +69,90 @@ def _is_span(full: torch.Tensor, dim: int, group: list, edited: torch.Tensor) ->
     )
 
 
+def send_back_what_can_be_sent() -> None:
+    """Worker side: a saved value that cannot be pickled fails its own trace, not the engine.
+
+    nnsight pickles every request's saves in one go when the caller collects
+    them; one value that will not pickle (a lambda, nnsight's step object of
+    ``with tracer.iter[:] as step``) raised there, in the engine's RPC, and the
+    engine died with every request in it. Pickling is retried value by value:
+    what will not go is dropped and becomes that request's error, a TypeError
+    naming the saved variable and its type.
+    """
+    from nnsight.intervention.errors import capture_exception
+    from nnsight.modeling.vllm.model_runners import GPUModelRunner as runner_module
+
+    dumps = runner_module.dumps_compact
+    if getattr(dumps, "vlenvoys", False):
+        return
+
+    def dumps_what_can_be_sent(collected: dict) -> bytes:
+        try:
+            return dumps(collected)
+        except Exception:
+            pass
+        for entry in collected.values():
+            buckets = [entry["saves"], entry["registered"]]
+            for sequence in entry.get("sequences", {}).values():
+                buckets += [sequence["saves"], sequence["registered"]]
+            for bucket in buckets:
+                for name, value in list(bucket.items()):
+                    try:
+                        dumps(value)
+                    except Exception as error:
+                        del bucket[name]
+                        if entry.get("error") is None:
+                            entry["error"] = capture_exception(TypeError(
+                                f"the saved variable {name!r} ({type(value).__module__}.{type(value).__qualname__}) "
+                                f"cannot be sent back from the engine ({type(error).__name__}: {error}); "
+                                "save tensors, numbers, strings or containers of them"
+                            ))
+        return dumps(collected)
+
+    dumps_what_can_be_sent.vlenvoys = True
+    runner_module.dumps_compact = dumps_what_can_be_sent
+
+
+class StandardWorker:
+    """Mixin for nnsight's workers: `vlenvoys.collector`'s RPCs, called by name with vLLM's ``collective_rpc``."""
+
+    def vlenvoys_collect_start(self, name: str, reads: list) -> str:
+        from .. import collector
+
+        return collector.start(self, name, reads)
+
+    def vlenvoys_collect_take(self, name: str, requests: list) -> bytes:
+        from .. import collector
+
+        return collector.take(self, name, requests)
+
+    def vlenvoys_collect_stop(self, name: str) -> int:
+        from .. import collector
+
+        return collector.stop(self, name)
+
+    def vlenvoys_collect_count(self) -> int:
+        from .. import collector
+
+        return collector.count(self)
+
+
 class StandardRunner:
-    """Mixin for nnsight's runner: rebuilds its envoy tree with the model's family declarations."""
+    """Mixin for nnsight's runner: rebuilds its envoy tree with the model's family declarations,
+    and tells `vlenvoys.collector`'s collectors which rows of each step are whose."""
+
+    def _update_states(self, scheduler_output: Any) -> None:
+        super()._update_states(scheduler_output)
+        from ..collector import step_spans
+
+        self.vlenvoys_spans = step_spans(self, scheduler_output)
+
+    def execute_model(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().execute_model(*args, **kwargs)
+        finally:
+            # A forward outside a step (a warm-up, a graph capture) reads nothing.
+            self.vlenvoys_spans = []
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)
@@ -81,6 +163,7 @@ class StandardRunner:
 
         # Registrations vlenvoys.collect installs run only on the requests that name them.
         serve_private_edits(self.nnsight_requests)
+        send_back_what_can_be_sent()
 
         backend = type(self.get_model()).__name__.startswith("Transformers")
         _, _, architecture = resolve(self.model_config.hf_config.architectures, backend=backend)

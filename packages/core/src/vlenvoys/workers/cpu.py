@@ -7,7 +7,7 @@ from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker as VLLMCPUWorker
 
-from . import StandardRunner
+from . import StandardRunner, StandardWorker
 
 __all__ = ["CPURunner", "CPUWorker"]
 
@@ -21,7 +21,7 @@ class CPURunner(StandardRunner, NNsightGPUModelRunner, CPUModelRunner):
     """
 
 
-class CPUWorker(NNsightGPUWorker, VLLMCPUWorker):
+class CPUWorker(StandardWorker, NNsightGPUWorker, VLLMCPUWorker):
     """vLLM's CPU worker with nnsight's RPCs (collect, register) and the standard runner."""
 
     def init_device(self) -> None:

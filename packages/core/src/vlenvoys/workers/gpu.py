@@ -5,7 +5,7 @@ from __future__ import annotations
 from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRunner
 from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
 
-from . import StandardRunner
+from . import StandardRunner, StandardWorker
 
 __all__ = ["GPURunner", "GPUWorker"]
 
@@ -14,7 +14,7 @@ class GPURunner(StandardRunner, NNsightGPUModelRunner):
     """nnsight's GPU runner with the family's envoys."""
 
 
-class GPUWorker(NNsightGPUWorker):
+class GPUWorker(StandardWorker, NNsightGPUWorker):
     """nnsight's GPU worker (which checks the runner is the one it instruments), installing the standard runner."""
 
     def init_device(self) -> None:
