@@ -240,6 +240,8 @@ def test_a_stopped_engine_says_so(tiny_llama):
     with pytest.raises(RuntimeError, match="stopped by vlenvoys.shutdown"):
         with model.trace("The sun", temperature=0.0):
             model.logits.save()
+    with pytest.raises(RuntimeError, match="engine is not running"):
+        vlenvoys.collect(model, ["The sun"], "layer_output", 0)
 
 
 @pytest.fixture(scope="module")

@@ -97,6 +97,7 @@ def collect(
         RuntimeError: the engine has been shut down, or a request came back
             without values.
     """
+    _check_engine(model)  # before either path touches the engine
     prompts = _checked_prompts(prompts)
     reads = _reads(model, [values] if isinstance(values, str) else list(values), layers)
     if batch_size < 1:
