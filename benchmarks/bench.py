@@ -462,6 +462,11 @@ CUDA_ROWS = [
     ("14. plain vLLM eager vs CUDA graphs, generation", "eager.generate", "graphs.generate"),
     ("15. nnsight taps, plain prefill vs CUDA graphs", "taps.prefill", "graphs.prefill"),
     ("16. nnsight taps, plain generation vs CUDA graphs", "taps.generate", "graphs.generate"),
+    # vlenvoys.generate: each request's steering added by one hook per block per step (vlenvoys.steering).
+    ("17. vlenvoys.generate steered vs plain vLLM, CUDA graphs", "vl.generate_steered", "graphs.generate"),
+    ("18. vlenvoys.generate steered vs plain vLLM, eager", "vl.generate_steered", "eager.generate"),
+    ("19. vlenvoys.generate steered vs steering in a trace", "vl.generate_steered", "vl.steer"),
+    ("20. vlenvoys.generate, half the requests steered vs plain vLLM, eager", "vl.generate_half", "eager.generate"),
 ]
 
 
@@ -763,6 +768,15 @@ def cuda_suite(args) -> None:
                       lambda: traced(model, prefill, standard_reads, batch=PER_TRACE))
         board.measure("vl.empty", "vlenvoys trace, no reads", "prompts/s", len(prefill),
                       lambda: traced(model, prefill, no_reads, batch=PER_TRACE))
+        every_step = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
+        steering = vlenvoys.Steering(steer_layer, vector)
+        board.measure("vl.generate_steered", "vlenvoys.generate, every request steered", "tokens/s",
+                      len(generate) * TOKENS,
+                      lambda: vlenvoys.generate(model, generate, every_step, steering=steering, use_tqdm=False))
+        half = [steering if number % 2 == 0 else None for number in range(len(generate))]
+        board.measure("vl.generate_half", "vlenvoys.generate, every other request steered", "tokens/s",
+                      len(generate) * TOKENS,
+                      lambda: vlenvoys.generate(model, generate, every_step, steering=half, use_tqdm=False))
         steps = served("vlenvoys", model, stream)
         board.measure("vl.steer", f"vlenvoys steered ({steps})", "tokens/s", len(generate) * TOKENS,
                       lambda: steered_every_step(model, generate, vector, device, steer))
@@ -797,7 +811,7 @@ def cuda_suite(args) -> None:
             print(f"  {name} done in {time.perf_counter() - started:.0f} s", flush=True)
 
     from nnsight.modeling.vllm import VLLM
-    from vllm import LLM
+    from vllm import LLM, SamplingParams
 
     # With vLLM's default FULL_AND_PIECEWISE, a pure decode step replays a FULL graph, which nnsight's taps do not
     # break (they break only vLLM's breakable PIECEWISE graphs); PIECEWISE alone puts every step through them.

@@ -20,6 +20,7 @@ from .envoys import (
 )
 from .errors import DECODE_STEP, GATED, ROUTED, InvalidWrite, ReadOnly, SkipRefused, Unavailable, UnknownArchitecture
 from .family import BACKBONE_NAMES, Architecture, Family, InstalledFamily, families
+from .steering import Steering, generate
 from .support import Support, support
 from .values import Derived, Flat, Heads, Neurons, Pattern, Residual, argument, batched, summed, summed_output, unbatched, with_argument
 from .version import __version__
@@ -47,6 +48,7 @@ __all__ = [
     "SkipRefused",
     "StandardEnvoy",
     "StandardizedVLLM",
+    "Steering",
     "Support",
     "TransformersAttention",
     "TransformersLayer",
@@ -58,6 +60,7 @@ __all__ = [
     "batched",
     "collect",
     "families",
+    "generate",
     "load",
     "on_transformers_backend",
     "shutdown",

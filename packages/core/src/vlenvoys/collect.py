@@ -134,7 +134,7 @@ def _batched(model: Any, prompts: list, reads: list[Read], batch_size: int, prog
 
     def fetch(finished: list) -> list[dict]:
         (packed, *_) = engine.collective_rpc("vlenvoys_collect_take", args=(name, [output.request_id for output, _ in finished]))
-        taken = collector.unpack(packed)
+        taken = collector.split(model, reads, collector.unpack(packed))
         values = []
         for output, index in finished:
             got = taken[output.request_id]
@@ -254,11 +254,11 @@ def _run(
                 if not output.finished or output.request_id not in in_flight:
                     continue  # not ours (the synchronous engine has one caller at a time)
                 finished.append((output, in_flight.pop(output.request_id)))
+            # Refill first: the engine works on the next step while these values come over.
+            submit()
             if finished:
                 for (_, index), values in zip(finished, fetch(finished), strict=True):
                     saved[index] = values
-            # Refill first: the engine works on the next step while the caller reports.
-            submit()
             if finished and progress is not None:
                 progress(len(finished))
     except BaseException:

@@ -23,13 +23,15 @@ short.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import uuid
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["KEY", "Collector", "count", "eligible", "new_name", "start", "step_spans", "stop", "take", "unpack"]
+__all__ = ["KEY", "Collector", "count", "eligible", "new_name", "split", "start", "step_spans", "stop", "take", "unpack"]
 
 #: ``SamplingParams.extra_args`` key whose value names the collector that reads the request.
 KEY = "vlenvoys_collect"
@@ -77,10 +79,14 @@ class Collector:
         self.prompts: dict[str, int] = {}
         #: the caller's request id -> the engine's (vLLM suffixes ids on the way in).
         self.engine_ids: dict[str, str] = {}
-        #: request id -> value key -> rows read so far, in step order.
+        #: request id -> value key -> rows read so far, in step order (views of each step's host copy).
         self.rows: dict[str, dict[str, list[torch.Tensor]]] = {}
+        #: request id -> value key -> how many rows were read.
+        self.seen: dict[str, dict[str, int]] = {}
         self.layouts: dict[str, tuple[Any, Any]] = {}
         self.handles: list[Any] = []
+        #: shared-memory files handed to the client (it unlinks each; `close` removes any left behind).
+        self.files: list[str] = []
         for read in reads:
             envoy, value = _descriptor(model, read)
             key = f"{read[2]}.{read[0]}"
@@ -97,8 +103,15 @@ class Collector:
             tensor = value.pick(envoy, raw)
             if value._batch(envoy):  # vLLM's transformers backend: [1, tokens, ...]
                 tensor = tensor[0]
-            for request, start, count in spans:
-                self.rows[request].setdefault(key, []).append(_off_device(tensor.narrow(0, start, count)))
+            # One copy off the device per module per step, whatever the number of requests:
+            # a copy per request costs more than the forward on a GPU.
+            parts = [tensor.narrow(0, start, count) for _, start, count in spans]
+            host = _off_device(parts[0]) if len(parts) == 1 else _off_device(torch.cat(parts), fresh=True)
+            offset = 0
+            for request, _, count in spans:
+                self.rows[request].setdefault(key, []).append(host.narrow(0, offset, count))
+                self.seen[request][key] = self.seen[request].get(key, 0) + count
+                offset += count
 
         if side == "input":
             return module.register_forward_pre_hook(lambda module, args, kwargs: read((args, kwargs)), with_kwargs=True)
@@ -114,8 +127,7 @@ class Collector:
         for request, start, count in getattr(self.runner, "vlenvoys_spans", ()):
             if request not in self.prompts:
                 continue
-            seen = sum(len(rows) for rows in self.rows[request].get(key, ()))
-            count = min(count, self.prompts[request] - seen)
+            count = min(count, self.prompts[request] - self.seen[request].get(key, 0))
             if count > 0:
                 mine.append((request, start, count))
         return mine
@@ -125,37 +137,41 @@ class Collector:
 
         self.prompts[request] = prompt_length
         self.rows[request] = {}
+        self.seen[request] = {}
         self.engine_ids[Request(request).stem] = request
 
-    def take(self, requests: Sequence[str]) -> dict[str, dict[str, torch.Tensor] | str]:
-        """Each finished request's values in their layouts (``[1, tokens, ...]``), or why it has none."""
+    def take(self, requests: Sequence[str]) -> dict[str, Any]:
+        """Finished requests' values, packed: one ``[rows, ...]`` tensor per value for all of them.
+
+        Returns ``{"order": [caller ids], "lengths": [rows of each], "values":
+        {key: tensor}, "missing": {caller id: why it has no values}}``; the
+        client splits each tensor by ``lengths`` (`split`). One tensor per value,
+        not per request: each tensor sent costs its own share of the pickling.
+        """
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.current_stream().synchronize()  # the copies off the device were queued
-        taken: dict[str, Any] = {}
+        order, lengths, missing = [], [], {}
+        parts: dict[str, list[torch.Tensor]] = {key: [] for key in self.layouts}
         for caller_id in requests:
             request = self.engine_ids.pop(caller_id, caller_id)
             length, rows = self.prompts.pop(request, None), self.rows.pop(request, None)
+            seen = self.seen.pop(request, {})
             if rows is None:
-                taken[caller_id] = "the engine has no values of this request (it never ran here)"
+                missing[caller_id] = "the engine has no values of this request (it never ran here)"
                 continue
-            values = {}
-            for key, (envoy, value) in self.layouts.items():
-                parts = rows.get(key, [])
-                got = sum(len(part) for part in parts)
-                if got != length:
-                    taken[caller_id] = (
-                        f"{key}: {got} of the prompt's {length} rows were computed (a prefix-cache hit "
-                        "skips the cached tokens' forward); run without prefix caching"
-                    )
-                    break
-                flat = torch.cat(parts) if len(parts) > 1 else parts[0]
-                head_dim = value._head_dim(envoy)
-                if head_dim is not None:
-                    flat = flat.reshape(*flat.shape[:-1], -1, head_dim)
-                values[key] = value._stub(envoy, flat.unsqueeze(0))
-            else:
-                taken[caller_id] = values
-        return taken
+            short = [key for key in self.layouts if seen.get(key, 0) != length]
+            if short:
+                missing[caller_id] = (
+                    f"{short[0]}: {seen.get(short[0], 0)} of the prompt's {length} rows were computed (a prefix-cache "
+                    "hit skips the cached tokens' forward); run without prefix caching"
+                )
+                continue
+            order.append(caller_id)
+            lengths.append(length)
+            for key in self.layouts:
+                parts[key].extend(rows[key])
+        values = {key: torch.cat(tensors) for key, tensors in parts.items() if tensors}
+        return {"order": order, "lengths": lengths, "values": values, "missing": missing}
 
     def close(self) -> None:
         for handle in self.handles:
@@ -163,13 +179,19 @@ class Collector:
         self.handles.clear()
         self.prompts.clear()
         self.rows.clear()
+        self.seen.clear()
         self.engine_ids.clear()
+        for path in self.files:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        self.files.clear()
 
 
-def _off_device(rows: torch.Tensor) -> torch.Tensor:
-    """A host copy of ``rows``; from a GPU, queued on the stream into pinned memory (no wait here)."""
+def _off_device(rows: torch.Tensor, fresh: bool = False) -> torch.Tensor:
+    """A host copy of ``rows`` (``rows`` itself when ``fresh``: a tensor of our own on the CPU);
+    from a GPU, queued on the stream into pinned memory (no wait here)."""
     if rows.device.type == "cpu":
-        return rows.clone()
+        return rows if fresh else rows.clone()
     host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
     return host.copy_(rows, non_blocking=True)
 
@@ -212,24 +234,78 @@ def start(worker: Any, name: str, reads: list[Read]) -> str:
     return name
 
 
-def take(worker: Any, name: str, requests: list[str]) -> bytes:
-    """Hand over (and forget) finished requests' values (`Collector.take`), as `torch.save` bytes.
+#: Where `take` leaves a batch of values for the client when it can: a memory file system on the same host.
+SHARED_MEMORY = "/dev/shm"
 
-    vLLM's RPC encoding brings a tensor nested in untyped results back as a
-    list; one buffer of bytes crosses whole and is read with `unpack`.
+
+def take(worker: Any, name: str, requests: list[str]) -> tuple[str, Any]:
+    """Hand over (and forget) finished requests' values (`Collector.take`).
+
+    Returns ``("file", path)``: a `torch.save` file in shared memory
+    (`SHARED_MEMORY`), which the client maps and unlinks (`unpack`); or, where
+    that has no room, ``("bytes", data)``: the same file's bytes through the
+    RPC. A file crosses with no copy through vLLM's RPC encoding (which also
+    brings a tensor nested in untyped results back as a list); through it, a
+    batch of a 1B model's streams takes longer than its forward.
+    """
+    import io
+    import tempfile
+
+    packed = _collectors(worker)[name].take(requests)
+    size = sum(tensor.numel() * tensor.element_size() for tensor in packed["values"].values())
+    if os.path.isdir(SHARED_MEMORY) and os.access(SHARED_MEMORY, os.W_OK):
+        room = os.statvfs(SHARED_MEMORY)
+        if room.f_bavail * room.f_frsize > 2 * size + (64 << 20):
+            handle, path = tempfile.mkstemp(prefix=f"vlenvoys-{name}-", suffix=".pt", dir=SHARED_MEMORY)
+            os.close(handle)
+            try:
+                torch.save(packed, path)
+                _collectors(worker)[name].files.append(path)
+                return ("file", path)
+            except OSError:
+                os.unlink(path)
+    buffer = io.BytesIO()
+    torch.save(packed, buffer)
+    return ("bytes", buffer.getvalue())
+
+
+def unpack(taken: Sequence[Any]) -> dict:
+    """Client side: what `take` handed over (a shared-memory file is mapped, then unlinked).
+
+    Raises:
+        RuntimeError: the file is not on this host (an engine on another machine).
     """
     import io
 
-    buffer = io.BytesIO()
-    torch.save(_collectors(worker)[name].take(requests), buffer)
-    return buffer.getvalue()
+    kind, data = taken
+    if kind == "bytes":
+        return torch.load(io.BytesIO(data), weights_only=True)
+    try:
+        # Mapped, not read: the values stay in the file's pages (private to this process once unlinked).
+        return torch.load(data, mmap=True, weights_only=True)
+    except FileNotFoundError as error:
+        raise RuntimeError(f"the engine left its values at {data}, which this host does not have") from error
+    finally:
+        if os.path.exists(data):
+            os.unlink(data)
 
 
-def unpack(data: bytes) -> dict:
-    """Client side: what `take` packed (tensors, and strings for requests without values)."""
-    import io
+def split(model: Any, reads: Sequence[Read], taken: dict) -> dict[str, dict[str, torch.Tensor] | str]:
+    """Client side: each request's values in their layouts (``[1, tokens, ...]``), or why it has none.
 
-    return torch.load(io.BytesIO(data), weights_only=True)
+    The values are views of one tensor per value (`Collector.take`): rows of
+    different requests never overlap, so each is that request's own.
+    """
+    result: dict[str, Any] = dict(taken["missing"])
+    pieces = {key: torch.split(flat, taken["lengths"]) for key, flat in taken["values"].items()}
+    for read in reads:
+        envoy, value = _descriptor(model, read)
+        key, head_dim = f"{read[2]}.{read[0]}", value._head_dim(envoy)
+        for caller_id, rows in zip(taken["order"], pieces.get(key, ()), strict=True):
+            if head_dim is not None:
+                rows = rows.reshape(*rows.shape[:-1], -1, head_dim)
+            result.setdefault(caller_id, {})[key] = value._stub(envoy, rows.unsqueeze(0))
+    return result
 
 
 def stop(worker: Any, name: str) -> int:

@@ -541,6 +541,56 @@ def test_cpu_tensors_written_into_values(subject):
     assert torch.equal(logits_of(model, prompt, lambda m: m.steer(1, vector)), steered)
 
 
+def steered_in_a_trace(model, prompts, steered: list[bool], vector, factor: float, steps: int) -> list[list]:
+    """Each prompt's logits at each of ``steps`` generation steps, ``model.steer(1, ...)`` at every step of those steered."""
+    with model.trace(temperature=0.0, max_tokens=steps, ignore_eos=True) as tracer:
+        results = dict().save()
+        for number, (prompt, steer) in enumerate(zip(prompts, steered, strict=True)):
+            with tracer.invoke(prompt):
+                logits = []
+                for _ in tracer.iter[0:steps]:
+                    if steer:
+                        model.steer(1, vector, factor)
+                    logits.append(model.logits)
+                results[number] = logits
+    return [[host(step).reshape(-1, step.shape[-1])[-1] for step in results[number]] for number in range(len(prompts))]
+
+
+def test_steered_generation_equals_steering_in_a_trace(subject):
+    """`vlenvoys.generate`: the worker's batched steering gives a trace's tokens and log-probabilities.
+
+    Two requests in one call, one steered at every position of block 1, one
+    not, against the same two steered (and not) by ``model.steer`` at every
+    step of one trace; a bad `Steering` is refused before anything runs.
+    """
+    from vllm import SamplingParams
+
+    from vlenvoys.steering import eligible
+
+    model, prompts, steps, factor = subject.model, subject.prompts[:2], 3, 2.0
+    vector = steering_vector(subject)
+    steering = [vlenvoys.Steering(1, vector, factor), None]
+    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True, logprobs=1)
+    if eligible(model) is not None:
+        with pytest.raises(NotImplementedError, match="steered generation"):
+            vlenvoys.generate(model, prompts, params, steering=steering, use_tqdm=False)
+        return
+    with pytest.raises(ValueError, match=r"expected shape"):
+        vlenvoys.generate(model, prompts, params, steering=vlenvoys.Steering(1, vector[:-1]), use_tqdm=False)
+    with pytest.raises(IndexError):
+        vlenvoys.generate(model, prompts, params, steering=vlenvoys.Steering(99, vector), use_tqdm=False)
+    outputs = vlenvoys.generate(model, prompts, params, steering=steering, use_tqdm=False)
+    traced = steered_in_a_trace(model, prompts, [True, False], vector, factor, steps)
+    unsteered = vlenvoys.generate(model, prompts[:1], params, use_tqdm=False)[0].outputs[0].token_ids
+    for number, (output, logits) in enumerate(zip(outputs, traced, strict=True)):
+        generated = output.outputs[0]
+        assert list(generated.token_ids) == [int(step.argmax()) for step in logits], number
+        for token, offered, step in zip(generated.token_ids, generated.logprobs, logits, strict=True):
+            want = step.float().log_softmax(-1)[token]
+            assert close(subject, "steered generation vs a trace: log-probability", torch.tensor([offered[token].logprob]), want[None])
+    assert list(outputs[0].outputs[0].token_ids) != list(unsteered), "the steering must change the steered request"
+
+
 def test_wrong_dtype_is_refused(subject):
     prompt = subject.prompts[1]
 

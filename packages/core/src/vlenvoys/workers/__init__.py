@@ -121,7 +121,7 @@ class StandardWorker:
 
         return collector.start(self, name, reads)
 
-    def vlenvoys_collect_take(self, name: str, requests: list) -> bytes:
+    def vlenvoys_collect_take(self, name: str, requests: list) -> tuple:
         from .. import collector
 
         return collector.take(self, name, requests)
@@ -144,15 +144,20 @@ class StandardRunner:
     def _update_states(self, scheduler_output: Any) -> None:
         super()._update_states(scheduler_output)
         from ..collector import step_spans
+        from ..steering import plan_step
 
         self.vlenvoys_spans = step_spans(self, scheduler_output)
+        plan_step(self, scheduler_output)
 
     def execute_model(self, *args: Any, **kwargs: Any) -> Any:
+        from ..steering import step_done
+
         try:
             return super().execute_model(*args, **kwargs)
         finally:
-            # A forward outside a step (a warm-up, a graph capture) reads nothing.
+            # A forward outside a step (a warm-up, a graph capture) reads and steers nothing.
             self.vlenvoys_spans = []
+            step_done(self)
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)
