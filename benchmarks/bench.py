@@ -635,7 +635,7 @@ def cuda_header(path: Path, config: dict, layers, steer_layer: int, counts: tupl
         f"Workloads: prefill = {prefill} prompts of 16-120 words, one token each (prompts/s); generation = {generate} "
         f"prompts x {TOKENS} tokens, greedy, ignore_eos (tokens/s). Reads: layer_output (raw: hidden + residual, "
         f"cloned) at layers {', '.join(map(str, layers))}; steering at layer {steer_layer}, every step; "
-        f"{PER_TRACE} invokes per trace, collect with {PER_TRACE} requests in flight. Medians of {repeats} runs "
+        f"{PER_TRACE} invokes per trace, collect with its default requests in flight (256). Medians of {repeats} runs "
         "after a warm-up. Engines one at a time in one process, each shut down before the next: "
         f"gpu_memory_utilization 0.5, max_model_len {MAX_MODEL_LEN}, prefix caching off (repeats of the same "
         f"prompts would otherwise be served from it); nnsight's taps={TAPS} on "
@@ -763,7 +763,7 @@ def cuda_suite(args) -> None:
     def ours(model) -> None:
         plain("vl", "vlenvoys engine, plain", model.vllm_entrypoint)
         board.measure("vl.collect", "vlenvoys collect", "prompts/s", len(prefill),
-                      lambda: collect(model, prefill, "layer_output", layers, batch_size=PER_TRACE))
+                      lambda: collect(model, prefill, "layer_output", layers))
         board.measure("vl.trace", "vlenvoys trace", "prompts/s", len(prefill),
                       lambda: traced(model, prefill, standard_reads, batch=PER_TRACE))
         board.measure("vl.empty", "vlenvoys trace, no reads", "prompts/s", len(prefill),

@@ -217,6 +217,7 @@ def test_both_paths_serve_the_same_values(subject):
         ({"prompts": ["The sun", ""]}, ValueError, "prompt 1 is empty"),
         ({"prompts": [{"text": "The sun"}]}, TypeError, "prompt 0 is a dict"),
         ({"batch_size": 0}, ValueError, "batch_size must be at least 1"),
+        ({"batch_size": 1.5}, TypeError, "batch_size must be an int"),
     ],
 )
 def test_bad_input_is_refused_before_anything_is_installed(subject, arguments, error, message):

@@ -246,6 +246,43 @@ def test_collect_joins_chunked_prefill_and_never_reads_the_prefix_cache(caching_
         assert difference <= 1e-4 * max(1.0, expected[layer].abs().max().item())
 
 
+def test_steered_generation_shares_no_prefix_cache_with_unsteered(caching_engine):
+    """A steered request's cache is salted by its steering: neither side reads the other's cached prefix."""
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+
+    model = caching_engine
+    ids = AutoTokenizer.from_pretrained(model.args[0])(" ".join(testing.PROMPTS * 6))["input_ids"][:180]
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=1)
+    steering = vlenvoys.Steering(1, 4 * torch.randn(model.hidden_size, generator=torch.Generator().manual_seed(3)))
+
+    def logprobs(**steer):
+        (output,) = vlenvoys.generate(model, [ids], params, use_tqdm=False, **steer)
+        return [(token, step[token].logprob) for token, step in zip(output.outputs[0].token_ids, output.outputs[0].logprobs)]
+
+    plain = logprobs()  # its prefix is cached now
+    steered = logprobs(steering=steering)
+    model.vllm_entrypoint.reset_prefix_cache()
+    assert logprobs(steering=steering) == steered, "the steered run read the unsteered run's cached prefix"
+    assert logprobs() == plain, "the unsteered run read the steered run's cached prefix"
+    assert steered != plain
+
+
+def test_a_steering_the_engine_cannot_read_is_refused_and_the_engine_goes_on(caching_engine):
+    """A hand-made ``extra_args`` steering (a block the model lacks) is refused by name, not raised in the worker."""
+    from vllm import SamplingParams
+
+    from vlenvoys.steering import KEY
+
+    model = caching_engine
+    spec = {"layers": [7], "vector": [1.0] * model.hidden_size, "positions": None}
+    params = SamplingParams(temperature=0.0, max_tokens=2, extra_args={KEY: spec})
+    (output,) = model.vllm_entrypoint.generate(["The sun"], params, use_tqdm=False)
+    (refused, *_) = model.vllm_entrypoint.llm_engine.collective_rpc("vlenvoys_steer_failures", args=([output.request_id],))
+    assert "blocks [7]: the model has blocks 0 to 2" in refused[output.request_id]
+    assert len(vlenvoys.generate(model, ["The sun"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids) == 2
+
+
 def test_chunked_prefill_is_refused_not_short(caching_engine):
     from transformers import AutoTokenizer
 

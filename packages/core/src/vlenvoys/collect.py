@@ -51,7 +51,7 @@ def collect(
     values: str | Sequence[str],
     layers: int | Sequence[int],
     *,
-    batch_size: int = 64,
+    batch_size: int = 256,
     progress: Callable[[int], Any] | None = None,
 ) -> dict[str, list[torch.Tensor]]:
     """Read block values of every prompt, with one block installed on the engine.
@@ -74,6 +74,8 @@ def collect(
         layers: A block index or several; negative indices count from the end.
         batch_size: How many requests are in flight at once; the engine
             batches those into its steps as it would a plain ``generate``.
+            More than one step takes keeps the engine busy while finished
+            requests' values come over (measured on an H200).
         progress: Called with the number of prompts finished after each
             engine step that finished some (``tqdm.update`` fits).
 
@@ -87,8 +89,8 @@ def collect(
         tokens, tokens]`` for the pattern.
 
     Raises:
-        TypeError: ``prompts`` is one string, or a prompt is neither a string
-            nor a list of token ids.
+        TypeError: ``prompts`` is one string, a prompt is neither a string
+            nor a list of token ids, or ``batch_size`` is not an int.
         ValueError: an empty prompt, an unknown value name, a block that does
             not exist, ``batch_size`` below 1, or a prompt vLLM refuses (longer
             than the engine's ``max_model_len``), named by its index.
@@ -100,6 +102,8 @@ def collect(
     _check_engine(model)  # before either path touches the engine
     prompts = _checked_prompts(prompts)
     reads = _reads(model, [values] if isinstance(values, str) else list(values), layers)
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool):
+        raise TypeError(f"batch_size must be an int, got {batch_size!r}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     results: dict[str, list[torch.Tensor]] = {f"{value}.{layer}": [] for layer, _, value in reads}

@@ -105,8 +105,11 @@ class Collector:
                 tensor = tensor[0]
             # One copy off the device per module per step, whatever the number of requests:
             # a copy per request costs more than the forward on a GPU.
-            parts = [tensor.narrow(0, start, count) for _, start, count in spans]
-            host = _off_device(parts[0]) if len(parts) == 1 else _off_device(torch.cat(parts), fresh=True)
+            first, end = spans[0][1], spans[-1][1] + spans[-1][2]
+            if end - first == sum(count for _, _, count in spans):  # one run of rows (collect's requests side by side)
+                host = _off_device(tensor.narrow(0, first, end - first))
+            else:
+                host = _off_device(torch.cat([tensor.narrow(0, start, count) for _, start, count in spans]), fresh=True)
             offset = 0
             for request, _, count in spans:
                 self.rows[request].setdefault(key, []).append(host.narrow(0, offset, count))
@@ -170,7 +173,7 @@ class Collector:
             lengths.append(length)
             for key in self.layouts:
                 parts[key].extend(rows[key])
-        values = {key: torch.cat(tensors) for key, tensors in parts.items() if tensors}
+        values = {key: _joined(tensors) for key, tensors in parts.items() if tensors}
         return {"order": order, "lengths": lengths, "values": values, "missing": missing}
 
     def close(self) -> None:
@@ -185,6 +188,28 @@ class Collector:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
         self.files.clear()
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(parts)``, without a copy where the parts lie end to end in one host buffer.
+
+    They do when the requests taken together were read side by side in one step (every
+    request of a step of one-token prompts finishes in it): one step's copy, handed on.
+    """
+    runs = [parts[0]]
+    for part in parts[1:]:
+        last = runs[-1]
+        if (
+            part.untyped_storage().data_ptr() == last.untyped_storage().data_ptr()
+            and part.storage_offset() == last.storage_offset() + last.numel()
+            and part.shape[1:] == last.shape[1:]
+            and last.is_contiguous()
+            and part.is_contiguous()
+        ):
+            runs[-1] = last.as_strided((last.shape[0] + part.shape[0], *last.shape[1:]), last.stride())
+        else:
+            runs.append(part)
+    return runs[0] if len(runs) == 1 else torch.cat(runs)
 
 
 def _off_device(rows: torch.Tensor, fresh: bool = False) -> torch.Tensor:

@@ -579,6 +579,8 @@ def test_steered_generation_equals_steering_in_a_trace(subject):
         vlenvoys.generate(model, prompts, params, steering=vlenvoys.Steering(1, vector[:-1]), use_tqdm=False)
     with pytest.raises(IndexError):
         vlenvoys.generate(model, prompts, params, steering=vlenvoys.Steering(99, vector), use_tqdm=False)
+    with pytest.raises(ValueError, match="the next norm would overflow"):
+        vlenvoys.generate(model, prompts, params, steering=vlenvoys.Steering(1, vector, 1e30), use_tqdm=False)
     outputs = vlenvoys.generate(model, prompts, params, steering=steering, use_tqdm=False)
     traced = steered_in_a_trace(model, prompts, [True, False], vector, factor, steps)
     unsteered = vlenvoys.generate(model, prompts[:1], params, use_tqdm=False)[0].outputs[0].token_ids

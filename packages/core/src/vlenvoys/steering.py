@@ -18,6 +18,9 @@ they would not run at replayed steps, so this path takes the eager engine
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -42,10 +45,11 @@ class Steering:
         factor: The vector's multiplier.
         positions: Which token positions of each sequence get it: None for
             every one (the prompt's and each generated token's, at the decode
-            step that feeds it), a list of positions (0 is the prompt's first
-            token; generated token ``k`` (from 0) sits at ``len(prompt) + k``),
-            or a ``slice`` with non-negative bounds (``slice(len(prompt),
-            None)``: generated tokens only).
+            step that feeds it), a position or a list of them (0 is the
+            prompt's first token; generated token ``k`` (from 0) sits at
+            ``len(prompt) + k``; positions the sequence never reaches steer
+            nothing), or a ``slice`` with non-negative bounds and no step
+            (``slice(len(prompt), None)``: generated tokens only).
     """
 
     layers: int | Sequence[int]
@@ -58,26 +62,42 @@ class Steering:
 
         Raises:
             IndexError: a block that does not exist.
-            ValueError: a vector of another shape, a non-finite scaled vector,
-                or negative or stepped positions.
-            TypeError: a vector that is not a float tensor.
+            ValueError: a vector of another shape, a scaled vector with
+                non-finite entries or entries beyond the square root of the
+                dtype's largest value, or negative or stepped positions.
+            TypeError: a vector that is not a float tensor, a factor that is
+                not a number, blocks that are not ints.
         """
         from .envoys import block_index
 
         if not isinstance(self.vector, torch.Tensor) or not self.vector.is_floating_point():
-            raise TypeError(f"Steering.vector: expected a float tensor of shape [{model.hidden_size}], got {self.vector!r}")
+            got = f"a {self.vector.dtype} tensor" if isinstance(self.vector, torch.Tensor) else type(self.vector).__name__
+            raise TypeError(f"Steering.vector: expected a float tensor of shape [{model.hidden_size}], got {got}")
+        if not isinstance(self.factor, numbers.Real) or isinstance(self.factor, bool):
+            raise TypeError(f"Steering.factor: expected a number, got {type(self.factor).__name__}")
         if tuple(self.vector.shape) != (model.hidden_size,):
             raise ValueError(
                 f"Steering.vector: expected shape [{model.hidden_size}] (hidden_size), got {list(self.vector.shape)}"
             )
-        layers = [self.layers] if isinstance(self.layers, int) else list(self.layers)
-        if not layers or not all(isinstance(layer, int) and not isinstance(layer, bool) for layer in layers):
+        layers = [self.layers] if isinstance(self.layers, int) else self.layers
+        if not isinstance(layers, (list, tuple, range)) or not layers or not all(
+            isinstance(layer, int) and not isinstance(layer, bool) for layer in layers
+        ):
             raise TypeError(f"Steering.layers: expected a block index or a list of them, got {self.layers!r}")
         blocks = sorted({block_index(layer, model.num_layers) for layer in layers})
         # Scaled where a trace scales it: in the model's dtype (``factor * vector.to(dtype)``).
-        scaled = float(self.factor) * self.vector.detach().to(device="cpu", dtype=_dtype(model))
+        dtype = _dtype(model)
+        scaled = float(self.factor) * self.vector.detach().to(device="cpu", dtype=dtype)
         if not torch.isfinite(scaled).all():
-            raise ValueError(f"Steering: factor * vector has non-finite entries in {_dtype(model)} (factor {self.factor})")
+            raise ValueError(f"Steering: factor * vector has non-finite entries in {dtype} (factor {self.factor})")
+        # The next norm squares the stream: entries past sqrt(max) would overflow it, and the
+        # non-finite keys and values computed from it would reach the engine's cache.
+        limit = torch.finfo(dtype).max ** 0.5
+        if scaled.abs().max().item() > limit:
+            raise ValueError(
+                f"Steering: factor * vector has entries beyond {limit:.3g} (the square root of {dtype}'s largest "
+                f"value; factor {self.factor}): the next norm would overflow"
+            )
         return {
             "layers": blocks,
             # The model-dtype values, exact in float32, as a list: the request's arguments travel as msgpack.
@@ -133,9 +153,17 @@ def generate(
         ValueError, TypeError, IndexError: a `Steering` the model cannot take
             (`Steering.encode`), or a steering list of another length than
             ``prompts``; nothing is submitted then.
+        InvalidWrite: a request's steered stream had NaN or infinite entries
+            (a factor too large for the model's dtype): those rows were left
+            unsteered and the request went on without its steering; every
+            output is on the error's ``outputs``.
         RuntimeError: the engine has been shut down.
         NotImplementedError: the engine runs in ``mode="async"``, or its layer
             output is not one tensor a block hands on.
+
+    With prefix caching on, a steered request's key/value cache is salted by
+    its steering (vLLM's ``cache_salt``): it is shared only between requests
+    steered alike.
     """
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -154,21 +182,54 @@ def generate(
         raise ValueError(f"steering: {len(steering)} entries for {len(prompts)} prompts")
     if sampling_params is None or isinstance(sampling_params, SamplingParams):
         sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+    if not isinstance(sampling_params, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in sampling_params):
+        raise TypeError("sampling_params: expected vLLM SamplingParams, or a list of them (one per prompt)")
     if len(sampling_params) != len(prompts):
         raise ValueError(f"sampling_params: {len(sampling_params)} entries for {len(prompts)} prompts")
-    encoded: dict[int, dict] = {}  # one encoding per distinct Steering object
-    per_request = []
-    for each, params in zip(steering, sampling_params, strict=True):
+    encoded: dict[int, tuple[dict, str]] = {}  # one encoding per distinct Steering object
+    per_request, inputs = [], []
+    for prompt, each, params in zip(prompts, steering, sampling_params, strict=True):
         if each is not None and not isinstance(each, Steering):
             raise TypeError(f"steering: expected vlenvoys.Steering or None per prompt, got {type(each).__name__}")
+        options = {}
         if each is not None:
             if id(each) not in encoded:
-                encoded[id(each)] = each.encode(model)
+                spec = each.encode(model)
+                encoded[id(each)] = spec, hashlib.sha256(json.dumps(spec).encode()).hexdigest()
+            spec, salt = encoded[id(each)]
             params = params.clone()
-            params.extra_args = {**(params.extra_args or {}), KEY: encoded[id(each)]}
+            params.extra_args = {**(params.extra_args or {}), KEY: spec}
+            # A steered request's key/value cache is its steering's: salted, a prefix cache
+            # shares it only with requests steered alike, never with unsteered ones.
+            options["cache_salt"] = f"vlenvoys-steer-{salt}"
         per_request.append(params)
-    inputs = [prompt if isinstance(prompt, str) else TokensPrompt(prompt_token_ids=prompt) for prompt in prompts]
-    return model.vllm_entrypoint.generate(inputs, per_request, use_tqdm=use_tqdm)
+        if isinstance(prompt, str):
+            inputs.append({"prompt": prompt, **options})
+        else:
+            inputs.append(TokensPrompt(prompt_token_ids=prompt, **options))
+    outputs = model.vllm_entrypoint.generate(inputs, per_request, use_tqdm=use_tqdm)
+    if encoded:
+        _raise_failures(model, outputs)
+    return outputs
+
+
+def _raise_failures(model: Any, outputs: list) -> None:
+    """Raise `InvalidWrite` if the engine refused some request's steering (the outputs are on the error)."""
+    from .errors import InvalidWrite
+
+    ids = [output.request_id for output in outputs]
+    failed = {}
+    for answer in model.vllm_entrypoint.llm_engine.collective_rpc("vlenvoys_steer_failures", args=(ids,)):
+        failed.update(answer)
+    if failed:
+        number = next(index for index, request in enumerate(ids) if request in failed)
+        error = InvalidWrite(
+            f"steering of {len(failed)} prompt(s) was refused on the engine, prompt {number} first: "
+            f"{failed[ids[number]]}; their rows were left unsteered from there on (nothing non-finite reached "
+            "the key/value cache), and the other prompts' outputs are intact (on this error's .outputs)"
+        )
+        error.outputs = outputs
+        raise error
 
 
 def eligible(model: Any) -> str | None:
@@ -194,43 +255,75 @@ class Steerer:
         self.runner = runner
         #: engine request id -> (blocks, vector on the device in the model's dtype, positions).
         self.requests: dict[str, tuple[list[int], torch.Tensor, Any]] = {}
-        #: block -> (rows, vectors): this step's additions, or absent.
-        self.plan: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        #: block -> (rows, vectors, owners): this step's additions, or absent.
+        self.plan: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        #: the step's steered requests, by owner index, and their refusals (on the device, read a step later).
+        self.owners: list[str] = []
+        self.refused: torch.Tensor | None = None
+        self.pending: tuple[list[str], torch.Tensor] | None = None
+        #: request stem (the caller's id) -> why its steering was refused.
+        self.failed: dict[str, str] = {}
         self.hooked: set[int] = set()
 
-    def admit(self, request: str, spec: dict) -> None:
-        model = self.runner.nnsight_model
-        parameter = next(self.runner.get_model().parameters())
-        vector = torch.tensor(spec["vector"], dtype=torch.float32).to(device=parameter.device, dtype=_dtype_of(self.runner))
-        positions = spec["positions"]
-        if isinstance(positions, list):
-            positions = frozenset(positions)
-        self.requests[request] = (list(spec["layers"]), vector, positions)
-        for layer in spec["layers"]:
-            if layer not in self.hooked:
-                self._hook(model, layer)
-                self.hooked.add(layer)
+    def admit(self, request: str, spec: Any) -> None:
+        """Take a new request's steering; a spec the model cannot take is refused, never raised here."""
+        try:
+            config = self.runner.model_config
+            layers = [int(layer) for layer in spec["layers"]]
+            count = int(config.hf_text_config.num_hidden_layers)
+            if not layers or any(layer < 0 or layer >= count for layer in layers):
+                raise ValueError(f"blocks {layers}: the model has blocks 0 to {count - 1}")
+            parameter = next(self.runner.get_model().parameters())
+            vector = torch.tensor(spec["vector"], dtype=torch.float32)
+            if tuple(vector.shape) != (config.get_hidden_size(),):
+                raise ValueError(f"a vector of shape {list(vector.shape)} for a stream of {config.get_hidden_size()}")
+            if not torch.isfinite(vector).all():
+                raise ValueError("the vector is not finite")
+            vector = vector.to(device=parameter.device, dtype=self.runner.model_config.dtype)
+            positions = spec["positions"]
+            if isinstance(positions, list):
+                positions = frozenset(int(position) for position in positions)
+            elif positions is not None:
+                positions = {"start": int(positions["start"]), "stop": positions["stop"]}
+            for layer in layers:
+                if layer not in self.hooked:
+                    self._hook(layer)
+                    self.hooked.add(layer)
+        except Exception as error:  # from a hand-made extra_args: the engine must go on serving
+            self.failed[_stem(request)] = f"its steering could not be read ({type(error).__name__}: {error})"
+            return
+        self.requests[request] = (layers, vector, positions)
 
-    def _hook(self, model: Any, layer: int) -> None:
+    def _hook(self, layer: int) -> None:
+        model = self.runner.nnsight_model
         envoy = model.layers[layer]
         value = type(envoy).layer_output
         path, side = value._location(envoy).rsplit(".", 1)
+        if side != "output":  # `eligible` admits a block output only
+            raise ValueError(f"layer_output of block {layer} is read at an input")
         module = {each.path: each for each in model.modules()}[path]._module
-        assert side == "output", side  # `eligible` admits a block output only
 
         def steer(module: Any, args: Any, output: Any) -> Any:
             plan = self.plan.get(layer)
             if plan is None:
                 return None
-            rows, vectors = plan
+            rows, vectors, owners = plan
             current = value.pick(envoy, output)
+            base = current.index_select(0, rows)
+            added = base + vectors
+            # A row the steering makes non-finite keeps its stream (nothing non-finite reaches the
+            # key/value cache, which later requests reuse) and its request is refused (`failures`).
+            finite = torch.isfinite(added).all(-1)
+            self.refused.index_add_(0, owners, (~finite).to(self.refused.dtype))
+            added = torch.where(finite[:, None], added, base)
             # What a trace's ``stream[:, positions] += v`` writes back, for all the step's steered rows at once.
-            return value.place(envoy, output, current.index_add(0, rows, vectors), current)
+            return value.place(envoy, output, current.index_copy(0, rows, added), current)
 
         module.register_forward_hook(steer)
 
     def step(self, scheduler_output: Any) -> None:
         """Admit the step's new steered requests, forget finished ones, and plan the step's additions."""
+        self._settle()
         for request in scheduler_output.finished_req_ids:
             self.requests.pop(request, None)
         for data in scheduler_output.scheduled_new_reqs:
@@ -243,7 +336,7 @@ class Steerer:
         tokens = scheduler_output.num_scheduled_tokens
         rows: dict[int, list[int]] = {}
         owners: dict[int, list[int]] = {}
-        vectors, start = [], 0
+        vectors, steered, start = [], [], 0
         for request in self.runner.input_batch.req_ids:
             count = tokens.get(request)
             if count is None:
@@ -255,6 +348,7 @@ class Steerer:
                 picked = [start + offset for offset in range(count) if _steered(first + offset, positions)]
                 if picked:
                     vectors.append(vector)
+                    steered.append(request)
                     for block in blocks:
                         rows.setdefault(block, []).extend(picked)
                         owners.setdefault(block, []).extend([len(vectors) - 1] * len(picked))
@@ -263,10 +357,44 @@ class Steerer:
             return
         table = torch.stack(vectors)
         device = table.device
+        self.owners = steered
+        self.refused = torch.zeros(len(vectors), device=device)
         for block, block_rows in rows.items():
-            index = torch.tensor(owners[block], dtype=torch.long).to(device, non_blocking=True)
-            self.plan[block] = (torch.tensor(block_rows, dtype=torch.long).to(device, non_blocking=True),
-                                table.index_select(0, index))
+            owner = torch.tensor(owners[block], dtype=torch.long).to(device, non_blocking=True)
+            index = torch.tensor(block_rows, dtype=torch.long).to(device, non_blocking=True)
+            self.plan[block] = (index, table.index_select(0, owner), owner)
+
+    def done(self) -> None:
+        """After the step's forward: its refusals are read at the next step (the device is done with them by then)."""
+        self.plan = {}
+        if self.refused is not None:
+            self.pending = (self.owners, self.refused)
+            self.refused, self.owners = None, []
+
+    def _settle(self) -> None:
+        if self.pending is None:
+            return
+        requests, refused = self.pending
+        self.pending = None
+        for request, count in zip(requests, refused.tolist(), strict=True):
+            if count:
+                self.failed.setdefault(
+                    _stem(request),
+                    "the steered stream had NaN or infinite entries (factor * vector too large for the model's dtype)",
+                )
+                self.requests.pop(request, None)  # unsteered from here on
+
+    def failures(self, requests: Sequence[str]) -> dict[str, str]:
+        """Why the steering of these requests (the caller's ids) was refused, for those refused; forgets them."""
+        self._settle()
+        return {request: self.failed.pop(request) for request in requests if request in self.failed}
+
+
+def _stem(request: str) -> str:
+    from nnsight.modeling.vllm.model_runners.GPUModelRunner import Request
+
+    return Request(request).engine_id
+
 
 def _steered(position: int, positions: Any) -> bool:
     if positions is None:
@@ -274,10 +402,6 @@ def _steered(position: int, positions: Any) -> bool:
     if isinstance(positions, dict):  # a slice
         return position >= positions["start"] and (positions["stop"] is None or position < positions["stop"])
     return position in positions
-
-
-def _dtype_of(runner: Any) -> torch.dtype:
-    return runner.model_config.dtype
 
 
 def plan_step(runner: Any, scheduler_output: Any) -> None:
@@ -297,4 +421,10 @@ def plan_step(runner: Any, scheduler_output: Any) -> None:
 def step_done(runner: Any) -> None:
     current = getattr(runner, "vlenvoys_steerer", None)
     if current is not None:
-        current.plan = {}
+        current.done()
+
+
+def failures(worker: Any, requests: list[str]) -> dict[str, str]:
+    """The worker's RPC (`vlenvoys.workers.StandardWorker`): refused steerings of ``requests``, by caller id."""
+    current = getattr(worker.model_runner, "vlenvoys_steerer", None)
+    return {} if current is None else current.failures(requests)

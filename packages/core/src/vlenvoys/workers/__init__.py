@@ -131,6 +131,11 @@ class StandardWorker:
 
         return collector.stop(self, name)
 
+    def vlenvoys_steer_failures(self, requests: list) -> dict:
+        from .. import steering
+
+        return steering.failures(self, requests)
+
     def vlenvoys_collect_count(self) -> int:
         from .. import collector
 
