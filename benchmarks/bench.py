@@ -467,6 +467,9 @@ CUDA_ROWS = [
     ("18. vlenvoys.generate steered vs plain vLLM, eager", "vl.generate_steered", "eager.generate"),
     ("19. vlenvoys.generate steered vs steering in a trace", "vl.generate_steered", "vl.steer"),
     ("20. vlenvoys.generate, half the requests steered vs plain vLLM, eager", "vl.generate_half", "eager.generate"),
+    # On one engine, so measured in any run that has it (--engines vlenvoys alone).
+    ("21. collection vs the vlenvoys engine's plain prefill", "vl.collect", "vl.prefill"),
+    ("22. vlenvoys.generate steered vs the vlenvoys engine's plain generation", "vl.generate_steered", "vl.generate"),
 ]
 
 

@@ -260,7 +260,8 @@ class Steerer:
         #: the step's steered requests, by owner index, and their refusals (on the device, read a step later).
         self.owners: list[str] = []
         self.refused: torch.Tensor | None = None
-        self.pending: tuple[list[str], torch.Tensor] | None = None
+        #: earlier steps' (owners, refusals), read in one go now and then: reading one waits for the device.
+        self.pending: list[tuple[list[str], torch.Tensor]] = []
         #: request stem (the caller's id) -> why its steering was refused.
         self.failed: dict[str, str] = {}
         self.hooked: set[int] = set()
@@ -365,18 +366,24 @@ class Steerer:
             self.plan[block] = (index, table.index_select(0, owner), owner)
 
     def done(self) -> None:
-        """After the step's forward: its refusals are read at the next step (the device is done with them by then)."""
+        """After the step's forward: its refusals wait to be read (`_settle`)."""
         self.plan = {}
         if self.refused is not None:
-            self.pending = (self.owners, self.refused)
+            self.pending.append((self.owners, self.refused))
             self.refused, self.owners = None, []
 
-    def _settle(self) -> None:
-        if self.pending is None:
+    def _settle(self, now: bool = False) -> None:
+        """Mark the requests whose steering was refused, every 32 steps (or ``now``).
+
+        Until then a refused request's non-finite rows are still left unsteered at every step
+        (the hook's guard), so the cache stays clean; only its vector is added a little longer.
+        """
+        if not self.pending or (len(self.pending) < 32 and not now):
             return
-        requests, refused = self.pending
-        self.pending = None
-        for request, count in zip(requests, refused.tolist(), strict=True):
+        pending, self.pending = self.pending, []
+        counts = torch.cat([refused for _, refused in pending]).tolist()  # one wait for the device
+        requests = [request for owners, _ in pending for request in owners]
+        for request, count in zip(requests, counts, strict=True):
             if count:
                 self.failed.setdefault(
                     _stem(request),
@@ -386,7 +393,7 @@ class Steerer:
 
     def failures(self, requests: Sequence[str]) -> dict[str, str]:
         """Why the steering of these requests (the caller's ids) was refused, for those refused; forgets them."""
-        self._settle()
+        self._settle(now=True)
         return {request: self.failed.pop(request) for request in requests if request in self.failed}
 
 
