@@ -221,7 +221,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent)
     parser.add_argument("--repeats", type=int, help="timed runs per measurement after a warm-up (3; CUDA suite 2)")
     parser.add_argument("--quick", action="store_true", help="fewer prompts, for a smoke run")
-    parser.add_argument("--only", type=int, nargs="+", default=[1, 2, 3, 4, 5], help="sections to run (CPU suite)")
+    parser.add_argument("--only", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6], help="sections to run (CPU suite)")
     parser.add_argument("--nnterp", type=Path, help="compat/bench_nnterp.py's JSON: adds nnterp rows (CPU suite)")
     parser.add_argument("--gpu", action="store_true", help="CUDA suite on the CPU engine (a smoke run)")
     parser.add_argument("--size", choices=sorted(SIZES), help="CUDA suite's model: 1b (default on CUDA) or tiny")
@@ -241,7 +241,9 @@ def main() -> None:
     from vlenvoys.weights import smollm2_path
 
     path = smollm2_path()
-    model = vlenvoys.load(path)
+    # Prefix caching off: the sections run the same prompts again and again, and a plain run that read
+    # the cache would be timed against collections and traces that never do. Section 6 measures it.
+    model = vlenvoys.load(path, enable_prefix_caching=False)
     rows: list[tuple[str, str, float, str, float, str]] = []
 
     def row(name, ours_label, ours, base_label, base, unit="prompts/s", paired=None):
@@ -348,6 +350,24 @@ def main() -> None:
             row("5b. client memory growth, 10 rounds", ours_mib, client_growth[0], plain_mib, client_growth[1], "MiB")
             row("5c. engine memory, 20 warm-up rounds", ours_mib, warm_up["ours"], plain_mib, warm_up["plain"], "MiB")
             row("5d. peak memory above idle, one round", ours_mib, peak["ours"], plain_mib, peak["plain"], "MiB")
+        # 6. Prefix caching, on by default (traced, collected and steered requests salt themselves out of
+        # it): time to the first token of 32 requests sharing a long prefix, the prefix cached or not.
+        if 6 in args.only:
+            cached = vlenvoys.load(path)
+            try:
+                shared = " ".join(prompts(1, 600, 600, seed=7)[0].split()[:600])
+                texts = [f"{shared} {tail}" for tail in prompts(32 // scale, 4, 8, seed=8)]
+                plain_vllm(cached, texts)  # the prefix is in the cache now
+
+                def uncached():
+                    cached.vllm_entrypoint.reset_prefix_cache()
+                    plain_vllm(cached, texts)
+
+                seconds = interleaved({"cached": lambda: plain_vllm(cached, texts), "uncached": uncached}, args.repeats)
+                row("6. time to first token, 600-word prefix cached vs not (32 requests)", "cached s",
+                    seconds["cached"], "recomputed s", seconds["uncached"], "s")
+            finally:
+                vlenvoys.shutdown(cached)
     finally:
         vlenvoys.shutdown(model)
 
@@ -441,7 +461,7 @@ MAX_MODEL_LEN = 1024
 TOKENS = 64  # generated per prompt, every one steered
 PER_TRACE = 64  # invokes per trace, and collect's requests in flight
 TAPS = ["model.layers.*.output"]
-ENGINES = ["graphs", "eager", "vlenvoys", "raw", "taps"]
+ENGINES = ["graphs", "eager", "vlenvoys", "vlgraphs", "raw", "taps"]
 
 #: (row, ours, baseline): measurement keys, "engine.workload"; a row is formed once both sides are measured.
 CUDA_ROWS = [
@@ -470,6 +490,12 @@ CUDA_ROWS = [
     # On one engine, so measured in any run that has it (--engines vlenvoys alone).
     ("21. collection vs the vlenvoys engine's plain prefill", "vl.collect", "vl.prefill"),
     ("22. vlenvoys.generate steered vs the vlenvoys engine's plain generation", "vl.generate_steered", "vl.generate"),
+    # vlenvoys.load(cuda_graphs=True): decode steps replay graphs with the steering hooks in them.
+    ("23. graph engine: vlenvoys.generate steered vs plain vLLM, CUDA graphs", "vg.generate_steered", "graphs.generate"),
+    ("24. graph engine: half the requests steered vs plain vLLM, CUDA graphs", "vg.generate_half", "graphs.generate"),
+    ("25. graph engine: vlenvoys.generate, none steered vs plain vLLM, CUDA graphs", "vg.generate_none", "graphs.generate"),
+    ("26. graph engine: collection vs plain vLLM, CUDA graphs", "vg.collect", "graphs.prefill"),
+    ("27. graph engine: plain generation vs plain vLLM, CUDA graphs", "vg.generate", "graphs.generate"),
 ]
 
 
@@ -787,6 +813,19 @@ def cuda_suite(args) -> None:
             # nnsight's own worker refuses vLLM's CPU runner: its raw paths run on our engine's modules here.
             raw("raw", "raw nnsight (vlenvoys engine)", model)
 
+    def graph_engine(model) -> None:
+        plain("vg", "vlenvoys graph engine, plain", model.vllm_entrypoint)
+        every_step = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
+        steering = vlenvoys.Steering(steer_layer, vector)
+        half = [steering if number % 2 == 0 else None for number in range(len(generate))]
+        for key, label, each in [("steered", "every request steered", steering), ("half", "every other request steered", half),
+                                 ("none", "no request steered", None)]:
+            board.measure(f"vg.generate_{key}", f"graph engine: vlenvoys.generate, {label}", "tokens/s",
+                          len(generate) * TOKENS,
+                          lambda each=each: vlenvoys.generate(model, generate, every_step, steering=each, use_tqdm=False))
+        board.measure("vg.collect", "graph engine: vlenvoys collect", "prompts/s", len(prefill),
+                      lambda: collect(model, prefill, "layer_output", layers))
+
     def engine(name: str, start: Callable[[], object], work: Callable[[object], None]) -> None:
         """Start one engine, measure on it, shut it down and wait for its GPU memory; a failure is noted."""
         print(f"\n== {name} ({time.perf_counter() - began:.0f} s into the run)", flush=True)
@@ -830,6 +869,8 @@ def cuda_suite(args) -> None:
                lambda llm: plain("eager", "plain vLLM eager", llm))
     if "vlenvoys" in args.engines:
         engine("vlenvoys", lambda: vlenvoys.load(str(path), **engine_args), ours)
+    if "vlgraphs" in args.engines:
+        engine("vlenvoys, CUDA graphs", lambda: vlenvoys.load(str(path), cuda_graphs=True, **engine_args), graph_engine)
     if "raw" in args.engines and not cuda:
         board.note("raw nnsight's own engine: skipped, its worker refuses vLLM's CPU runner "
                    "(its raw reads and steering ran on the vlenvoys engine's modules instead)")

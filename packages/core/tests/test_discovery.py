@@ -71,3 +71,18 @@ def test_cli_errors_are_one_line_not_a_traceback():
     assert result.exit_code == 1
     assert "error: no checkpoint at /nonexistent/model" in result.output
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(
+    "engine_kwargs, message",
+    [
+        ({"taps": ["model.layers.*.output"]}, "does not run nnsight's taps="),
+        ({"cuda_graphs": True, "enforce_eager": True}, "drop enforce_eager"),
+        ({"cuda_graphs": True, "compilation_config": {"mode": 3}}, "captures the eager forward"),
+    ],
+)
+def test_engines_that_would_serve_short_values_are_refused_before_starting(tmp_path, engine_kwargs, message):
+    """nnsight's taps= replays skip every untapped location; torch.compile would trace the hooks away."""
+    path = testing.tiny_model("LlamaForCausalLM", tmp_path / "model")
+    with pytest.raises(ValueError, match=message):
+        vlenvoys.load(path, **engine_kwargs)

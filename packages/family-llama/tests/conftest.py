@@ -18,9 +18,8 @@ MODELS = {
     "SmolLM2": (None, {}),
     # Both engines in bfloat16 (the checkpoint's float32 weights rounded alike), against BF16_TOLERANCE.
     "LlamaForCausalLM-bf16": ("LlamaForCausalLM", {}, {"dtype": "bfloat16"}),
-    # Tensor parallelism, two ranks of one core each: heads and neurons split across ranks;
-    # one key/value head for two ranks (each rank holds a copy).
-    "LlamaForCausalLM-tp2": ("LlamaForCausalLM", {}, {"tensor_parallel_size": 2}),
+    # Tensor parallelism, two ranks of one core each: heads and neurons split across ranks
+    # (the MoE's two key/value heads one per rank; Qwen2's one key/value head copied on both).
     "Qwen2ForCausalLM-kv1-tp2": ("Qwen2ForCausalLM", {"num_key_value_heads": 1}, {"tensor_parallel_size": 2}),
     "Qwen2MoeForCausalLM-tp2": ("Qwen2MoeForCausalLM", {}, {"tensor_parallel_size": 2}),
 }

@@ -232,18 +232,6 @@ def test_an_out_of_order_read_says_the_order(subject):
             model.layers[1].self_attn.attention_probabilities.save()
 
 
-def test_a_stopped_engine_says_so(tiny_llama):
-    import vlenvoys
-
-    model = vlenvoys.load(str(tiny_llama), max_model_len=64)
-    vlenvoys.shutdown(model)
-    with pytest.raises(RuntimeError, match="stopped by vlenvoys.shutdown"):
-        with model.trace("The sun", temperature=0.0):
-            model.logits.save()
-    with pytest.raises(RuntimeError, match="engine is not running"):
-        vlenvoys.collect(model, ["The sun"], "layer_output", 0)
-
-
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
     return testing.tiny_model("LlamaForCausalLM", tmp_path_factory.mktemp("cli"))

@@ -7,7 +7,6 @@ isolation is checked with exact equality.
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import psutil
@@ -157,10 +156,11 @@ def test_a_save_that_cannot_be_sent_back_fails_its_trace_alone(subject):
 
     model, prompt = subject.model, subject.prompts[1]
     (_, alone), = run(model, [prompt])
-    with pytest.raises(TypeError, match=r"the saved variable 'keep' \(builtins\.function\) cannot be sent back"):
+    with pytest.raises(TypeError, match=r"the saved variable 'keep' \(builtins\.function\) cannot be sent back") as raised:
         with model.trace(prompt, temperature=0.0):
             keep = nnsight.save(lambda x: x)  # noqa: F841
             model.layers[1].layer_output.save()
+    assert str(raised.value).startswith("the saved variable"), "the class name is the traceback's, not the message's"
     with pytest.raises(TypeError, match=r"the saved variable 'kept' \(builtins\.list\) cannot be sent back"):
         with model.trace(prompt, temperature=0.0):
             kept = list().save()
@@ -205,6 +205,40 @@ def test_skip_on_a_shared_step_is_refused(subject):
             with tracer.invoke(subject.prompts[1]):
                 model.layers[1].skip(model.layers[1].layer_input)
     assert same_rows(first, alone, subject)
+
+
+@pytest.mark.parametrize("subject", ["LlamaForCausalLM"], indirect=True)
+def test_plain_requests_share_the_prefix_cache_and_traces_stay_out_of_it(subject):
+    """Prefix caching is on by default: plain requests read a cached prefix, a trace neither leaves nor reads one."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    model, llm = subject.model, subject.model.vllm_entrypoint
+    block = llm.llm_engine.vllm_config.cache_config.block_size
+    assert llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
+    ids = [5 + (11 * position + 3) % 300 for position in range(block + 8)]  # a full block and more, new to this engine
+    params = SamplingParams(temperature=0.0, max_tokens=3, logprobs=1)
+
+    def plain():
+        (output,) = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+        logprobs = [step[token].logprob for step, token in zip(output.outputs[0].logprobs, output.outputs[0].token_ids)]
+        return output.num_cached_tokens, list(output.outputs[0].token_ids), logprobs
+
+    # First an edited trace: a prefix it left in the cache would carry its edit into the plain runs.
+    with model.trace(ids, temperature=0.0):
+        model.layers[0].layer_output[:] += 50.0
+        edited = model.layers[1].layer_output.save()
+    first, second = plain(), plain()
+    assert first[0] == 0, "the trace left its (edited) prefix in the cache"
+    assert second[0] >= block, "plain requests share the cache"
+    assert second[1:] == first[1:]
+    # Then a trace of the cached prompt: every row computed (none served from the cache), and unedited.
+    with model.trace(ids, temperature=0.0):
+        stream = model.layers[1].layer_output.save()
+    assert stream.shape[1] == edited.shape[1] == len(ids)
+    collected = vlenvoys.collect(model, [ids], "layer_output", 1)["layer_output.1"][0]
+    assert same_rows(collected, stream, subject)
+    assert not same_rows(edited, stream, subject)
 
 
 @pytest.fixture(scope="module")

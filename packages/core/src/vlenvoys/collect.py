@@ -90,7 +90,8 @@ def collect(
 
     Raises:
         TypeError: ``prompts`` is one string, a prompt is neither a string
-            nor a list of token ids, or ``batch_size`` is not an int.
+            nor a list of int token ids, ``layers`` are not ints,
+            ``batch_size`` is not an int, or ``progress`` is not callable.
         ValueError: an empty prompt, an unknown value name, a block that does
             not exist, ``batch_size`` below 1, or a prompt vLLM refuses (longer
             than the engine's ``max_model_len``), named by its index.
@@ -106,6 +107,8 @@ def collect(
         raise TypeError(f"batch_size must be an int, got {batch_size!r}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    if progress is not None and not callable(progress):
+        raise TypeError(f"progress must be callable (it is called with the number of prompts finished), got {progress!r}")
     results: dict[str, list[torch.Tensor]] = {f"{value}.{layer}": [] for layer, _, value in reads}
     if not prompts:
         return results
@@ -187,6 +190,14 @@ def registered(model: Any, reads: Sequence[Read]) -> Iterator[str]:
 
 def _install(model: Any, reads: list[Read], name: str) -> Any:
     # Its own function: the block's captured locals (model, reads, name) go to the engine with it.
+    # nnsight warns that a registration on a prefix-caching engine may see short prompts; this one
+    # runs only on collect's own requests, each salted out of the cache (`vlenvoys.engine.salted`).
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="This engine was built with prefix caching on")
+        return _register(model, reads, name)
+
+
+def _register(model: Any, reads: list[Read], name: str) -> Any:
     with model.edit(name=name) as (tracer, edit):
         vlenvoys_collected = dict().save()
         for layer, owner, value in reads:
@@ -228,6 +239,8 @@ def _run(
     from vllm.exceptions import VLLMClientError
     from vllm.inputs import TokensPrompt
 
+    from .engine import salted
+
     engine = model.vllm_entrypoint.llm_engine
     run = uuid.uuid4().hex[:12]
     saved: list[dict] = [{}] * len(prompts)
@@ -238,8 +251,7 @@ def _run(
         nonlocal following
         while following < len(prompts) and len(in_flight) < batch_size:
             prompt = prompts[following]
-            if not isinstance(prompt, str):
-                prompt = TokensPrompt(prompt_token_ids=prompt)
+            prompt = salted(prompt if isinstance(prompt, str) else TokensPrompt(prompt_token_ids=prompt), "collect")
             request_id = f"vlenvoys-collect.{run}.{following}"
             try:
                 engine.add_request(request_id, prompt, params)
@@ -340,9 +352,12 @@ def _checked_prompts(prompts: Any) -> list[str | list[int]]:
         if not isinstance(prompt, str):
             if isinstance(prompt, torch.Tensor):
                 prompt = prompt.tolist()
-            if not isinstance(prompt, Sequence) or not all(isinstance(token, int) for token in prompt):
+            if not isinstance(prompt, Sequence):
                 kind = type(prompt).__name__
                 raise TypeError(f"prompt {index} is a {kind}; a prompt is a string or a list of token ids")
+            wrong = next((token for token in prompt if not isinstance(token, int) or isinstance(token, bool)), None)
+            if wrong is not None:
+                raise TypeError(f"prompt {index} holds {wrong!r}, a {type(wrong).__name__}; token ids are ints")
             prompt = list(prompt)
         if len(prompt) == 0:
             raise ValueError(f"prompt {index} is empty")
@@ -364,7 +379,9 @@ def _reads(model: Any, values: list[str], layers: int | Sequence[int]) -> list[R
         if value not in owners:
             raise ValueError(f"{value!r} is not a block value; choose from {', '.join(owners)}")
     count = len(model.layers)
-    indices = [layers] if isinstance(layers, int) else list(layers)
+    indices = [layers] if isinstance(layers, int) else list(layers) if isinstance(layers, (list, tuple, range)) else None
+    if indices is None or not all(isinstance(layer, int) and not isinstance(layer, bool) for layer in indices):
+        raise TypeError(f"layers must be a block index or a list of them, got {layers!r}")
     if not indices:
         raise ValueError("no layers to collect")
     blocks = sorted({block_index(layer, count, error=ValueError, noun="layer") for layer in indices})

@@ -51,20 +51,16 @@ def _descriptor(model: Any, read: Read) -> tuple[Any, Any]:
 def eligible(model: Any, reads: Sequence[Read]) -> str | None:
     """Why ``reads`` cannot take the batched path on ``model`` (None when they can).
 
-    The path serves values that are one tensor at one module's input or output
-    (`Flat`): not those recomputed per request (the patterns, `Derived`), not
-    those at an operation inside a forward (``source.``, nnsight's). The caller
+    The path serves values one hook per module can read (`vlenvoys.values.unhookable`). The caller
     also keeps it off tensor-parallel engines, where nnsight's workers gather a
     value from every rank's piece.
     """
-    from .values import Derived, Flat
+    from .values import unhookable
 
     for read in reads:
-        envoy, value = _descriptor(model, read)
-        if not isinstance(value, Flat) or isinstance(value, Derived):
-            return f"{read[2]} is recomputed per request"
-        if value.located_key(envoy).startswith("source."):
-            return f"{read[2]} is read at an operation inside the forward"
+        reason = unhookable(*_descriptor(model, read))
+        if reason is not None:
+            return f"{read[2]} {reason}"
     return None
 
 
@@ -225,15 +221,14 @@ def step_spans(runner: Any, scheduler_output: Any) -> list[tuple[str, int, int]]
     """Worker side, each step: admit new requests that name a collector; this step's (request, first row, rows).
 
     Rows follow the runner's batch order (``input_batch.req_ids``), as
-    nnsight's batcher has them; empty when no collector is installed.
+    nnsight's batcher has them; `vlenvoys.steering` plans its rows from the same spans.
     """
     collectors = getattr(runner, "vlenvoys_collectors", None)
-    if not collectors:
-        return []
-    for data in scheduler_output.scheduled_new_reqs:
-        name = (getattr(data.sampling_params, "extra_args", None) or {}).get(KEY)
-        if name in collectors:
-            collectors[name].admit(data.req_id, len(data.prompt_token_ids))
+    if collectors:
+        for data in scheduler_output.scheduled_new_reqs:
+            name = (getattr(data.sampling_params, "extra_args", None) or {}).get(KEY)
+            if name in collectors:
+                collectors[name].admit(data.req_id, len(data.prompt_token_ids))
     tokens = scheduler_output.num_scheduled_tokens
     spans, start = [], 0
     for request in runner.input_batch.req_ids:

@@ -37,7 +37,10 @@ class StandardizedVLLM(VLLM):
     ...). Everything nnsight's ``VLLM`` does works as before.
     """
 
-    def __init__(self, *args: Any, architecture: Architecture | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, architecture: Architecture | None = None, cuda_graphs: bool = False, **kwargs: Any
+    ) -> None:
+        self.cuda_graphs = cuda_graphs  # read by _load_sync, which the constructor reaches
         if architecture is not None:
             kwargs["envoys"] = {**(kwargs.get("envoys") or parallel_envoys()), **architecture.envoys()}
             kwargs["rename"] = {**architecture.rename, **(kwargs.get("rename") or {})}
@@ -53,8 +56,37 @@ class StandardizedVLLM(VLLM):
         self._WORKER_CLS = worker_class()
         return super()._load(repo_id, **kwargs)
 
+    #: Set by `load` (``cuda_graphs=True``): the engine replays CUDA graphs of its decode steps.
+    cuda_graphs = False
+
+    def _load_sync(self, repo_id: str, **kwargs: Any) -> Any:
+        if not self.cuda_graphs:
+            return super()._load_sync(repo_id, **kwargs)
+        from nnsight.modeling.vllm.engines.engine import NNsightLLMEngine
+        from vllm import LLM
+
+        # nnsight's own loader always runs eagerly (without taps): its hooks cannot fire in a replay.
+        llm = LLM(repo_id, worker_cls=self._WORKER_CLS, enforce_eager=False, **kwargs)
+        llm.llm_engine.__class__ = NNsightLLMEngine
+        return llm
+
+    def _load_async(self, repo_id: str, **kwargs: Any) -> Any:
+        if self.cuda_graphs:
+            raise NotImplementedError("cuda_graphs=True serves vlenvoys.generate, which drives the synchronous engine")
+        return super()._load_async(repo_id, **kwargs)
+
+    def _batch(self, invokes: list[tuple], fn: Any) -> tuple:
+        (prompts, params, lora_requests), kwargs = super()._batch(invokes, fn)
+        return ([salted(prompt, "trace") for prompt in prompts], params, lora_requests), kwargs
+
     def trace(self, *inputs: Any, **kwargs: Any) -> Any:
         self._check_running()
+        if self.cuda_graphs:
+            raise NotImplementedError(
+                "this engine replays CUDA graphs of its decode steps (vlenvoys.load(..., cuda_graphs=True)), where "
+                "a trace's reads and edits would not run: it serves vlenvoys.generate's steering and "
+                "vlenvoys.collect; trace on an engine loaded without cuda_graphs"
+            )
         return super().trace(*inputs, **kwargs)
 
     # Not `generate`: nnsight tells `with model.generate(...)` from a plain call by
@@ -366,6 +398,25 @@ class LayerValues:
         return self.model.num_layers
 
 
+def salted(prompt: Any, kind: str) -> Any:
+    """``prompt`` (a string or a vLLM prompt dict) with a cache salt of its own: its key/value cache is its alone.
+
+    With prefix caching on, a traced or collected request never reads a cached
+    prefix (it would skip the prefix's forward, and its values would be short)
+    and never leaves one that a plain request could read (its edits would
+    spill into another request's output). A salt only this request carries
+    keeps it out of the cache both ways; plain requests share the cache as on
+    stock vLLM. A salt the caller set is kept.
+    """
+    import uuid
+
+    if isinstance(prompt, str):
+        prompt = {"prompt": prompt}
+    elif not isinstance(prompt, dict) or prompt.get("cache_salt") is not None:
+        return prompt
+    return {**prompt, "cache_salt": f"vlenvoys-{kind}-{uuid.uuid4().hex}"}
+
+
 def on_transformers_backend(envoy: Any) -> bool:
     """Whether ``envoy``'s model runs on vLLM's transformers backend, where activations carry the batch axis."""
     root = envoy.root if hasattr(envoy, "root") else envoy
@@ -405,7 +456,7 @@ def architectures_of(model: str | os.PathLike) -> list[str]:
     return list(AutoConfig.from_pretrained(str(model)).architectures or [])
 
 
-def load(model: str | os.PathLike | None = None, **engine_kwargs: Any) -> StandardizedVLLM:
+def load(model: str | os.PathLike | None = None, *, cuda_graphs: bool = False, **engine_kwargs: Any) -> StandardizedVLLM:
     """Start vLLM on ``model`` and return it ready to trace with the standard values.
 
     Args:
@@ -417,11 +468,35 @@ def load(model: str | os.PathLike | None = None, **engine_kwargs: Any) -> Standa
             where it names none; vLLM would otherwise run float32 checkpoints
             in half precision); on a GPU a float32 engine's Triton kernels run
             in full float32 (see `_float32_kernels`); on the CPU engine the KV
-            cache defaults to 1 GiB. Prefix caching stays off unless asked for.
+            cache defaults to 1 GiB. Prefix caching is on, as on stock vLLM, for
+            plain requests: a traced, collected or steered request carries a
+            cache salt (`salted`), so it never reads a cached prefix (its
+            values would be short) nor leaves one (its edits would spill).
+        cuda_graphs: Replay CUDA graphs of the decode steps, as plain vLLM
+            does, for `vlenvoys.generate`'s steering and `vlenvoys.collect` at
+            engine speed. The forward is captured as it runs eagerly (vLLM's
+            compilation mode ``NONE``, graphs of pure decode steps only:
+            ``FULL_DECODE_ONLY``), with the steering hooks of every block in
+            it; prefill steps run eagerly. Traces, whose hooks a replay would
+            skip, are refused on such an engine (NotImplementedError). On the
+            CPU engine, which has no graphs, it changes nothing but that.
 
     Raises:
         UnknownArchitecture: no installed family declares the model's architecture.
+        ValueError: ``cuda_graphs=True`` with ``enforce_eager``, or with a
+            compilation mode other than ``NONE`` (torch.compile would trace
+            away the Python hooks that serve the values); nnsight's ``taps=``.
     """
+    if engine_kwargs.get("taps"):
+        # Measured on an H200 (nnsight 0.8.1): under taps= a 6-step generation's trace recorded 1 row,
+        # decode-step steering vanished, and the standard values are read where no tap is.
+        raise ValueError(
+            "vlenvoys does not run nnsight's taps=: its graph replays skip the reads and edits of every location "
+            "without a tap, so a trace would serve fewer rows than it asked for. Load with cuda_graphs=True for "
+            "steered generation and collection with CUDA graphs, or without either for traces"
+        )
+    if cuda_graphs:
+        _graph_defaults(engine_kwargs)
     if model is None:
         from .weights import smollm2_path
 
@@ -431,11 +506,36 @@ def load(model: str | os.PathLike | None = None, **engine_kwargs: Any) -> Standa
         architectures_of(model), backend=engine_kwargs.get("model_impl") == "transformers"
     )
     _engine_defaults(model, engine_kwargs)
-    engine_kwargs.setdefault("enable_prefix_caching", False)
+    # On, as on stock vLLM: plain requests share cached prefixes; traced, collected and steered
+    # requests carry cache salts of their own (`salted`), so none of them reads or leaves one.
+    engine_kwargs.setdefault("enable_prefix_caching", True)
     with _cpu_ranks(engine_kwargs.get("tensor_parallel_size", 1)), _float32_kernels(engine_kwargs["dtype"]):
-        loaded = StandardizedVLLM(model, dispatch=True, architecture=architecture, **engine_kwargs)
+        loaded = StandardizedVLLM(
+            model, dispatch=True, architecture=architecture, cuda_graphs=bool(cuda_graphs), **engine_kwargs
+        )
     loaded.family, loaded.architecture_name = installed, name
     return loaded
+
+
+def _graph_defaults(engine_kwargs: dict) -> None:
+    from vllm.config import CompilationConfig, CompilationMode
+
+    if "enforce_eager" in engine_kwargs:
+        raise ValueError("cuda_graphs=True replays graphs; drop enforce_eager (or load without cuda_graphs)")
+    config = engine_kwargs.get("compilation_config")
+    if config is None:
+        config = {}
+    if isinstance(config, dict):
+        config = {"mode": CompilationMode.NONE, "cudagraph_mode": "FULL_DECODE_ONLY", **config}
+        mode = config["mode"]
+    else:
+        mode = config.mode if isinstance(config, CompilationConfig) else None
+    if mode is None or CompilationMode(mode) != CompilationMode.NONE:
+        raise ValueError(
+            f"cuda_graphs=True captures the eager forward (compilation mode NONE), got mode {mode!r}: "
+            "torch.compile would trace away the Python hooks that steer and read the values"
+        )
+    engine_kwargs["compilation_config"] = config
 
 
 def _engine_defaults(model: str, engine_kwargs: dict) -> None:

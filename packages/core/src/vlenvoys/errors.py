@@ -75,7 +75,7 @@ def reraise(error: RuntimeError) -> None:
     builtin = getattr(builtins, name, None)
     if isinstance(builtin, type) and issubclass(builtin, Exception) and builtin is not RuntimeError:
         try:
-            rebuilt = builtin(text)
+            rebuilt = builtin(rest)  # without the class name, which the traceback prints itself
         except Exception:
             return
         raise rebuilt from error

@@ -8,11 +8,12 @@ sends each request's `Steering` with the request (``SamplingParams.extra_args``,
 each step, the rows of the steered requests at their steered positions get
 ``factor * vector``, written back exactly as a trace's write of
 ``layer_output`` is (the same declaration's `place`), so the values are the
-trace's, bit for bit on the same kernels. Other requests' rows are untouched.
+trace's, bit for bit on the same kernels. Other requests' rows get zeros.
 
-The hooks run in the eager forward: on an engine that replays CUDA graphs
-they would not run at replayed steps, so this path takes the eager engine
-`vlenvoys.load` starts (nnsight's).
+The hooks read only buffers made once (`Steerer`), so the same hooks serve
+an eager engine and one that replays CUDA graphs (``vlenvoys.load(...,
+cuda_graphs=True)``): there they are captured into the graphs, on every
+block, and each step's plan reaches the replay through those buffers.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 __all__ = ["KEY", "Steering", "generate"]
@@ -234,167 +236,218 @@ def _raise_failures(model: Any, outputs: list) -> None:
 
 def eligible(model: Any) -> str | None:
     """Why `generate` cannot steer ``model`` (None when it can): its layer output must be a `Flat` at a block's output."""
-    from .values import Derived, Flat
+    from .values import unhookable
 
     block = model.layers[0]
     value = type(block).layer_output
-    if not isinstance(value, Flat) or isinstance(value, Derived) or value._batch(block):
-        return "layer_output is recomputed per request or batched"
-    if value.located_key(block).startswith("source."):
-        return "layer_output is read at an operation inside the forward"
-    return None
+    reason = unhookable(block, value)
+    if reason is None and value._batch(block):
+        reason = "carries the batch axis (vLLM's transformers backend)"
+    return None if reason is None else f"layer_output {reason}"
 
 
 # -- worker side -------------------------------------------------------------------------
 
+#: Steps between two reads of the refusal counts (a read waits for the device).
+SETTLE_EVERY = 32
+REFUSED = "the steered stream had NaN or infinite entries (factor * vector too large for the model's dtype)"
+
 
 class Steerer:
-    """Worker side: the steered requests and, each step, which of the step's rows get which vector."""
+    """Worker side: each steered request's vector in a slot of a device table, and per step which rows get which.
 
-    def __init__(self, runner: Any) -> None:
+    Everything the hooks read lives in buffers made once, at fixed addresses,
+    so a captured CUDA graph replays the additions with each step's plan:
+    ``table[slot]`` is a request's ``factor * vector`` (slot 0 is zeros),
+    ``index[row, block]`` the slot whose vector the step's token row gets at
+    that block, and ``refused[slot]`` counts rows whose steered stream came
+    out non-finite. A step's plan is one host-to-device copy of ``index``.
+    """
+
+    def __init__(self, runner: Any, every_block: bool = False) -> None:
+        config, scheduler = runner.model_config, runner.scheduler_config
         self.runner = runner
-        #: engine request id -> (blocks, vector on the device in the model's dtype, positions).
-        self.requests: dict[str, tuple[list[int], torch.Tensor, Any]] = {}
-        #: block -> (rows, vectors, owners): this step's additions, or absent.
-        self.plan: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        #: the step's steered requests, by owner index, and their refusals (on the device, read a step later).
-        self.owners: list[str] = []
-        self.refused: torch.Tensor | None = None
-        #: earlier steps' (owners, refusals), read in one go now and then: reading one waits for the device.
-        self.pending: list[tuple[list[str], torch.Tensor]] = []
+        self.blocks = int(config.hf_text_config.num_hidden_layers)
+        self.hidden = int(config.get_hidden_size())
+        self.dtype = config.dtype
+        device = runner.device
+        capture = getattr(runner.compilation_config, "max_cudagraph_capture_size", None) or 0
+        rows = max(int(scheduler.max_num_batched_tokens), int(capture))
+        # Running requests, plus finished ones whose refusal counts are not read yet.
+        self.slots = 2 * int(scheduler.max_num_seqs)
+        #: slot -> 1 at the blocks its request steers (host side, to write plans).
+        self.mask = np.zeros((self.slots + 1, self.blocks), dtype=np.int64)
+        self.table = torch.zeros(self.slots + 1, self.hidden, dtype=self.dtype, device=device)
+        self.index = torch.zeros(rows, self.blocks, dtype=torch.long, device=device)
+        self.refused = torch.zeros(self.slots + 1, dtype=torch.float32, device=device)
+        pinned = device.type == "cuda"
+        # Two staging buffers, so a step's plan is written while the last one's copy may still run.
+        self.staging = [torch.zeros(rows, self.blocks, dtype=torch.long, pin_memory=pinned) for _ in range(2 if pinned else 1)]
+        self.copied = [None] * len(self.staging)  # the event after each staging buffer's last copy
+        self.turn = 0
+        #: rows of ``index`` that may be non-zero on the device (a graph pads a step with rows past its own).
+        self.written = 0
+        #: engine request id -> (slot, blocks, positions).
+        self.requests: dict[str, tuple[int, list[int], Any]] = {}
+        self.owner: dict[int, str] = {}  # slot -> request, running or retired
+        self.free = list(range(self.slots, 0, -1))
+        self.retired: list[int] = []  # finished requests' slots, free once their counts are read
+        self.steps = 0
         #: request stem (the caller's id) -> why its steering was refused.
         self.failed: dict[str, str] = {}
         self.hooked: set[int] = set()
+        #: On a graph engine every hook runs at every step (a captured graph replays what ran at capture);
+        #: eagerly, a block's hook runs only at steps that steer some row there.
+        self.every_block = every_block
+        self.active: set[int] = set()
+        if every_block:
+            for block in range(self.blocks):
+                self._hook(block)
 
     def admit(self, request: str, spec: Any) -> None:
         """Take a new request's steering; a spec the model cannot take is refused, never raised here."""
         try:
-            config = self.runner.model_config
             layers = [int(layer) for layer in spec["layers"]]
-            count = int(config.hf_text_config.num_hidden_layers)
-            if not layers or any(layer < 0 or layer >= count for layer in layers):
-                raise ValueError(f"blocks {layers}: the model has blocks 0 to {count - 1}")
-            parameter = next(self.runner.get_model().parameters())
+            if not layers or any(layer < 0 or layer >= self.blocks for layer in layers):
+                raise ValueError(f"blocks {layers}: the model has blocks 0 to {self.blocks - 1}")
             vector = torch.tensor(spec["vector"], dtype=torch.float32)
-            if tuple(vector.shape) != (config.get_hidden_size(),):
-                raise ValueError(f"a vector of shape {list(vector.shape)} for a stream of {config.get_hidden_size()}")
+            if tuple(vector.shape) != (self.hidden,):
+                raise ValueError(f"a vector of shape {list(vector.shape)} for a stream of {self.hidden}")
             if not torch.isfinite(vector).all():
                 raise ValueError("the vector is not finite")
-            vector = vector.to(device=parameter.device, dtype=self.runner.model_config.dtype)
             positions = spec["positions"]
             if isinstance(positions, list):
                 positions = frozenset(int(position) for position in positions)
             elif positions is not None:
                 positions = {"start": int(positions["start"]), "stop": positions["stop"]}
             for layer in layers:
-                if layer not in self.hooked:
-                    self._hook(layer)
-                    self.hooked.add(layer)
+                self._hook(layer)
         except Exception as error:  # from a hand-made extra_args: the engine must go on serving
             self.failed[_stem(request)] = f"its steering could not be read ({type(error).__name__}: {error})"
             return
-        self.requests[request] = (layers, vector, positions)
+        if not self.free:
+            self._settle()
+        slot = self.free.pop()
+        self.table[slot].copy_(vector.to(self.dtype), non_blocking=True)
+        self.mask[slot] = 0
+        self.mask[slot, layers] = 1
+        self.owner[slot] = request
+        self.requests[request] = (slot, layers, positions)
 
     def _hook(self, layer: int) -> None:
+        if layer in self.hooked:
+            return
         model = self.runner.nnsight_model
         envoy = model.layers[layer]
         value = type(envoy).layer_output
         path, side = value._location(envoy).rsplit(".", 1)
         if side != "output":  # `eligible` admits a block output only
             raise ValueError(f"layer_output of block {layer} is read at an input")
-        module = {each.path: each for each in model.modules()}[path]._module
+        module = _module_at(model, path)._module
+        index, table, refused = self.index, self.table, self.refused
 
         def steer(module: Any, args: Any, output: Any) -> Any:
-            plan = self.plan.get(layer)
-            if plan is None:
+            if not self.every_block and layer not in self.active:
                 return None
-            rows, vectors, owners = plan
             current = value.pick(envoy, output)
-            base = current.index_select(0, rows)
-            added = base + vectors
+            rows = index[: current.shape[0], layer]
+            added = current + table.index_select(0, rows)
             # A row the steering makes non-finite keeps its stream (nothing non-finite reaches the
-            # key/value cache, which later requests reuse) and its request is refused (`failures`).
+            # key/value cache, which later requests reuse) and its request is refused (`_settle`).
             finite = torch.isfinite(added).all(-1)
-            self.refused.index_add_(0, owners, (~finite).to(self.refused.dtype))
-            added = torch.where(finite[:, None], added, base)
-            # What a trace's ``stream[:, positions] += v`` writes back, for all the step's steered rows at once.
-            return value.place(envoy, output, current.index_copy(0, rows, added), current)
+            refused.index_add_(0, rows, (~finite).to(refused.dtype))
+            added = torch.where(finite[:, None], added, current)
+            # What a trace's ``stream[:, positions] += v`` writes back, for the whole step at once.
+            return value.place(envoy, output, added, current)
 
         module.register_forward_hook(steer)
+        self.hooked.add(layer)
 
-    def step(self, scheduler_output: Any) -> None:
-        """Admit the step's new steered requests, forget finished ones, and plan the step's additions."""
-        self._settle()
+    def step(self, scheduler_output: Any, spans: Sequence[tuple[str, int, int]]) -> None:
+        """Admit the step's new steered requests, retire finished ones, and copy the step's plan to the device."""
         for request in scheduler_output.finished_req_ids:
-            self.requests.pop(request, None)
+            entry = self.requests.pop(request, None)
+            if entry is not None:
+                self.retired.append(entry[0])
         for data in scheduler_output.scheduled_new_reqs:
             spec = (getattr(data.sampling_params, "extra_args", None) or {}).get(KEY)
             if spec is not None:
                 self.admit(data.req_id, spec)
-        self.plan = {}
-        if not self.requests:
-            return
-        tokens = scheduler_output.num_scheduled_tokens
-        rows: dict[int, list[int]] = {}
-        owners: dict[int, list[int]] = {}
-        vectors, steered, start = [], [], 0
-        for request in self.runner.input_batch.req_ids:
-            count = tokens.get(request)
-            if count is None:
+        self.steps += 1
+        if self.steps % SETTLE_EVERY == 0:
+            self._settle()
+        steered = [(start, count, request) for request, start, count in spans if request in self.requests]
+        self.active = set()
+        if not steered and not self.written:
+            return  # the device's plan is all zeros already
+        total = spans[-1][1] + spans[-1][2] if spans else 0
+        width = max(total, self.written)
+        plan = self._staging()[:width].numpy()
+        plan[:] = 0
+        whole = []  # (first row, rows, slot) of requests steered at every position
+        for start, count, request in steered:
+            slot, blocks, positions = self.requests[request]
+            if not self.every_block:
+                self.active.update(blocks)
+            if positions is None:
+                whole.append((start, count, slot))
                 continue
-            spec = self.requests.get(request)
-            if spec is not None:
-                blocks, vector, positions = spec
-                first = self.runner.requests[request].num_computed_tokens
-                picked = [start + offset for offset in range(count) if _steered(first + offset, positions)]
-                if picked:
-                    vectors.append(vector)
-                    steered.append(request)
-                    for block in blocks:
-                        rows.setdefault(block, []).extend(picked)
-                        owners.setdefault(block, []).extend([len(vectors) - 1] * len(picked))
-            start += count
-        if not vectors:
-            return
-        table = torch.stack(vectors)
-        device = table.device
-        self.owners = steered
-        self.refused = torch.zeros(len(vectors), device=device)
-        for block, block_rows in rows.items():
-            owner = torch.tensor(owners[block], dtype=torch.long).to(device, non_blocking=True)
-            index = torch.tensor(block_rows, dtype=torch.long).to(device, non_blocking=True)
-            self.plan[block] = (index, table.index_select(0, owner), owner)
+            first = self.runner.requests[request].num_computed_tokens
+            rows = [start + offset for offset in range(count) if _steered(first + offset, positions)]
+            plan[rows] = self.mask[slot] * slot
+        if whole:
+            starts, counts, slots = np.array(whole, dtype=np.int64).T
+            # Each request's rows, side by side: start + 0 .. count - 1.
+            rows = np.arange(counts.sum()) + np.repeat(starts - (np.cumsum(counts) - counts), counts)
+            owners = np.repeat(slots, counts)
+            plan[rows] = self.mask[owners] * owners[:, None]
+        self.index[:width].copy_(self.staging[self.turn][:width], non_blocking=True)
+        if self.copied[self.turn] is not None:
+            self.copied[self.turn].record()
+        self.written = total if steered else 0
 
-    def done(self) -> None:
-        """After the step's forward: its refusals wait to be read (`_settle`)."""
-        self.plan = {}
-        if self.refused is not None:
-            self.pending.append((self.owners, self.refused))
-            self.refused, self.owners = None, []
+    def _staging(self) -> torch.Tensor:
+        self.turn = (self.turn + 1) % len(self.staging)
+        if len(self.staging) > 1:
+            event = self.copied[self.turn]
+            if event is None:
+                event = self.copied[self.turn] = torch.cuda.Event()
+            else:
+                event.synchronize()  # its last copy has left the staging buffer
+        return self.staging[self.turn]
 
-    def _settle(self, now: bool = False) -> None:
-        """Mark the requests whose steering was refused, every 32 steps (or ``now``).
+    def _settle(self) -> None:
+        """Read the refusal counts (one wait for the device): refused requests go on unsteered, retired slots are freed.
 
         Until then a refused request's non-finite rows are still left unsteered at every step
         (the hook's guard), so the cache stays clean; only its vector is added a little longer.
         """
-        if not self.pending or (len(self.pending) < 32 and not now):
-            return
-        pending, self.pending = self.pending, []
-        counts = torch.cat([refused for _, refused in pending]).tolist()  # one wait for the device
-        requests = [request for owners, _ in pending for request in owners]
-        for request, count in zip(requests, counts, strict=True):
-            if count:
-                self.failed.setdefault(
-                    _stem(request),
-                    "the steered stream had NaN or infinite entries (factor * vector too large for the model's dtype)",
-                )
-                self.requests.pop(request, None)  # unsteered from here on
+        counts = self.refused.tolist()
+        for slot, count in enumerate(counts):
+            if slot and count and slot in self.owner:
+                request = self.owner[slot]
+                self.failed.setdefault(_stem(request), REFUSED)
+                if self.requests.pop(request, None) is not None:  # unsteered from here on
+                    self.retired.append(slot)
+        if any(counts):
+            self.refused.zero_()
+        for slot in self.retired:
+            self.owner.pop(slot, None)
+            self.free.append(slot)
+        self.retired = []
 
     def failures(self, requests: Sequence[str]) -> dict[str, str]:
         """Why the steering of these requests (the caller's ids) was refused, for those refused; forgets them."""
-        self._settle(now=True)
+        with torch.inference_mode():  # the counts were made in a step, under it
+            self._settle()
         return {request: self.failed.pop(request) for request in requests if request in self.failed}
+
+
+def _module_at(model: Any, path: str) -> Any:
+    for envoy in model.modules():
+        if envoy.path == path:
+            return envoy
+    raise KeyError(path)
 
 
 def _stem(request: str) -> str:
@@ -404,17 +457,16 @@ def _stem(request: str) -> str:
 
 
 def _steered(position: int, positions: Any) -> bool:
-    if positions is None:
-        return True
     if isinstance(positions, dict):  # a slice
         return position >= positions["start"] and (positions["stop"] is None or position < positions["stop"])
     return position in positions
 
 
-def plan_step(runner: Any, scheduler_output: Any) -> None:
+def plan_step(runner: Any, scheduler_output: Any, spans: Sequence[tuple[str, int, int]]) -> None:
     """Worker side, each step (`vlenvoys.workers.StandardRunner`): the runner's `Steerer` plans the step.
 
-    The steerer is made when the first steered request arrives; until then a step costs one look at its new requests.
+    On an eager engine the steerer is made when the first steered request
+    arrives; until then a step costs one look at its new requests.
     """
     current = getattr(runner, "vlenvoys_steerer", None)
     if current is None:
@@ -422,13 +474,7 @@ def plan_step(runner: Any, scheduler_output: Any) -> None:
                    for data in scheduler_output.scheduled_new_reqs):
             return
         current = runner.vlenvoys_steerer = Steerer(runner)
-    current.step(scheduler_output)
-
-
-def step_done(runner: Any) -> None:
-    current = getattr(runner, "vlenvoys_steerer", None)
-    if current is not None:
-        current.done()
+    current.step(scheduler_output, spans)
 
 
 def failures(worker: Any, requests: list[str]) -> dict[str, str]:

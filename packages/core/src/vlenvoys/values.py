@@ -499,6 +499,21 @@ def summed_output(key: str = "output", description: str | None = None) -> Callab
     return decorate
 
 
+def unhookable(envoy: Any, value: Any) -> str | None:
+    """Why one hook per module per step cannot serve ``value`` on ``envoy`` for a whole batch (None when it can).
+
+    The batched paths (`vlenvoys.collector`, `vlenvoys.steering`) read or write
+    a value as one ``[tokens, ...]`` tensor at a module's input or output: a
+    `Flat`, not one recomputed per request (`Derived`), nor one at an
+    operation inside a forward (``source.``, which nnsight's workers serve).
+    """
+    if not isinstance(value, Flat) or isinstance(value, Derived):
+        return "is recomputed per request"
+    if value.located_key(envoy).startswith("source."):
+        return "is read at an operation inside the forward"
+    return None
+
+
 class _Declarations(dict):
     """Fills ``{NAME}`` in a location key from the envoy's declarations."""
 

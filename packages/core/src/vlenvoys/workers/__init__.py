@@ -152,17 +152,17 @@ class StandardRunner:
         from ..steering import plan_step
 
         self.vlenvoys_spans = step_spans(self, scheduler_output)
-        plan_step(self, scheduler_output)
+        plan_step(self, scheduler_output, self.vlenvoys_spans)
 
     def execute_model(self, *args: Any, **kwargs: Any) -> Any:
-        from ..steering import step_done
-
         try:
             return super().execute_model(*args, **kwargs)
         finally:
-            # A forward outside a step (a warm-up, a graph capture) reads and steers nothing.
+            # A forward outside a step (a warm-up) reads nothing, and eagerly steers nothing.
             self.vlenvoys_spans = []
-            step_done(self)
+            steerer = getattr(self, "vlenvoys_steerer", None)
+            if steerer is not None:
+                steerer.active = set()
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)
@@ -192,3 +192,16 @@ class StandardRunner:
         instrument_sources(model)
         self.nnsight_model = model
         self.nnsight_persistent_objects = model._remoteable_persistent_objects()
+        if replays_graphs(self):
+            from ..steering import Steerer, eligible
+
+            # Graphs are captured once the engine has its cache, before any request: the
+            # steering hooks must be in the forward by then, on every block (`Steerer`).
+            if eligible(model) is None:
+                self.vlenvoys_steerer = Steerer(self, every_block=True)
+
+
+def replays_graphs(runner: Any) -> bool:
+    """Whether ``runner``'s engine captures CUDA graphs (`vlenvoys.load` with ``cuda_graphs=True``, on a GPU)."""
+    mode = getattr(getattr(runner, "compilation_config", None), "cudagraph_mode", None)
+    return mode is not None and mode.name != "NONE"
