@@ -41,8 +41,14 @@ def one_env_at_a_time(session_function):
 
 
 def env(session: nox.Session) -> dict[str, str]:
-    # Inductor's cache (hundreds of MB per engine) lives and goes with the environment.
-    return ENV | {"TORCHINDUCTOR_CACHE_DIR": os.path.join(session.virtualenv.location, "inductor-cache")}
+    return ENV | {
+        # Inductor's cache (hundreds of MB per engine) lives and goes with the environment.
+        "TORCHINDUCTOR_CACHE_DIR": os.path.join(session.virtualenv.location, "inductor-cache"),
+        # Installs skip byte-compiling (`install`): the first process to import a module writes its
+        # .pyc, which every later engine process reads. Where PYTHONDONTWRITEBYTECODE is set (as on
+        # CI's machines), none would, and each engine's two processes would parse vLLM and torch anew.
+        "PYTHONDONTWRITEBYTECODE": "",
+    }
 
 
 def install(session: nox.Session, *packages: str, real_model: bool = False) -> None:
