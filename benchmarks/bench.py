@@ -496,6 +496,9 @@ CUDA_ROWS = [
     ("25. graph engine: vlenvoys.generate, none steered vs plain vLLM, CUDA graphs", "vg.generate_none", "graphs.generate"),
     ("26. graph engine: collection vs plain vLLM, CUDA graphs", "vg.collect", "graphs.prefill"),
     ("27. graph engine: plain generation vs plain vLLM, CUDA graphs", "vg.generate", "graphs.generate"),
+    ("28. graph engine: steered vs its own plain generation, measured after", "vg.generate_steered", "vg.generate_again"),
+    ("29. graph engine: none steered vs its own plain generation, measured after", "vg.generate_none", "vg.generate_again"),
+    ("30. graph engine: collection vs its own plain prefill", "vg.collect", "vg.prefill"),
 ]
 
 
@@ -825,6 +828,9 @@ def cuda_suite(args) -> None:
                           lambda each=each: vlenvoys.generate(model, generate, every_step, steering=each, use_tqdm=False))
         board.measure("vg.collect", "graph engine: vlenvoys collect", "prompts/s", len(prefill),
                       lambda: collect(model, prefill, "layer_output", layers))
+        # Plain generation again, last: a drift of the machine over the engine's run shows against the first.
+        board.measure("vg.generate_again", "vlenvoys graph engine, plain (measured last)", "tokens/s",
+                      len(generate) * TOKENS, lambda: requests(model.vllm_entrypoint, generate, TOKENS))
 
     def engine(name: str, start: Callable[[], object], work: Callable[[object], None]) -> None:
         """Start one engine, measure on it, shut it down and wait for its GPU memory; a failure is noted."""

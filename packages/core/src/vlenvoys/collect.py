@@ -141,7 +141,7 @@ def _batched(model: Any, prompts: list, reads: list[Read], batch_size: int, prog
 
     def fetch(finished: list) -> list[dict]:
         (packed, *_) = engine.collective_rpc("vlenvoys_collect_take", args=(name, [output.request_id for output, _ in finished]))
-        taken = collector.split(model, reads, collector.unpack(packed))
+        taken = collector.split(model, reads, collector.received(packed))
         values = []
         for output, index in finished:
             got = taken[output.request_id]

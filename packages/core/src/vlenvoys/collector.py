@@ -23,15 +23,16 @@ short.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import uuid
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["KEY", "Collector", "count", "eligible", "new_name", "split", "start", "step_spans", "stop", "take", "unpack"]
+from . import handover
+from .handover import Arena, Piece
+
+__all__ = ["KEY", "Collector", "count", "eligible", "new_name", "split", "start", "step_spans", "stop", "received", "take"]
 
 #: ``SamplingParams.extra_args`` key whose value names the collector that reads the request.
 KEY = "vlenvoys_collect"
@@ -67,7 +68,7 @@ def eligible(model: Any, reads: Sequence[Read]) -> str | None:
 class Collector:
     """Worker side: the reads of one collect run, served by forward hooks over the whole step."""
 
-    def __init__(self, runner: Any, reads: Sequence[Read]) -> None:
+    def __init__(self, runner: Any, reads: Sequence[Read], name: str = "collector") -> None:
         model = runner.nnsight_model
         envoys = {envoy.path: envoy for envoy in model.modules()}
         self.runner = runner
@@ -75,14 +76,16 @@ class Collector:
         self.prompts: dict[str, int] = {}
         #: the caller's request id -> the engine's (vLLM suffixes ids on the way in).
         self.engine_ids: dict[str, str] = {}
-        #: request id -> value key -> rows read so far, in step order (views of each step's host copy).
-        self.rows: dict[str, dict[str, list[torch.Tensor]]] = {}
+        #: request id -> value key -> where its rows read so far lie, in step order (`handover.Piece`).
+        self.rows: dict[str, dict[str, list[Piece]]] = {}
         #: request id -> value key -> how many rows were read.
         self.seen: dict[str, dict[str, int]] = {}
         self.layouts: dict[str, tuple[Any, Any]] = {}
+        #: value key -> (row shape, dtype name), from its first rows.
+        self.row_layouts: dict[str, tuple[list[int], str]] = {}
         self.handles: list[Any] = []
-        #: shared-memory files handed to the client (it unlinks each; `close` removes any left behind).
-        self.files: list[str] = []
+        #: Host memory the rows are copied into, which the client maps (`vlenvoys.handover`).
+        self.arena = Arena(name, device_copies=torch.device(runner.device).type == "cuda")
         for read in reads:
             envoy, value = _descriptor(model, read)
             key = f"{read[2]}.{read[0]}"
@@ -103,14 +106,18 @@ class Collector:
             # a copy per request costs more than the forward on a GPU.
             first, end = spans[0][1], spans[-1][1] + spans[-1][2]
             if end - first == sum(count for _, _, count in spans):  # one run of rows (collect's requests side by side)
-                host = _off_device(tensor.narrow(0, first, end - first))
+                rows = tensor.narrow(0, first, end - first)
             else:
-                host = _off_device(torch.cat([tensor.narrow(0, start, count) for _, start, count in spans]), fresh=True)
-            offset = 0
+                rows = torch.cat([tensor.narrow(0, start, count) for _, start, count in spans])
+            host, chunk, offset = self.arena.block(rows.shape, rows.dtype, holders=len(spans))
+            host.copy_(rows, non_blocking=True)  # queued on the stream (`take` waits for it)
+            if key not in self.row_layouts:
+                self.row_layouts[key] = (list(rows.shape[1:]), str(rows.dtype).removeprefix("torch."))
+            row_bytes = rows[0].numel() * rows.element_size()
             for request, _, count in spans:
-                self.rows[request].setdefault(key, []).append(host.narrow(0, offset, count))
+                self.rows[request].setdefault(key, []).append((chunk, offset, count))
                 self.seen[request][key] = self.seen[request].get(key, 0) + count
-                offset += count
+                offset += count * row_bytes
 
         if side == "input":
             return module.register_forward_pre_hook(lambda module, args, kwargs: read((args, kwargs)), with_kwargs=True)
@@ -140,17 +147,16 @@ class Collector:
         self.engine_ids[Request(request).stem] = request
 
     def take(self, requests: Sequence[str]) -> dict[str, Any]:
-        """Finished requests' values, packed: one ``[rows, ...]`` tensor per value for all of them.
+        """Finished requests' values, handed over (`vlenvoys.handover`): where each request's rows lie.
 
-        Returns ``{"order": [caller ids], "lengths": [rows of each], "values":
-        {key: tensor}, "missing": {caller id: why it has no values}}``; the
-        client splits each tensor by ``lengths`` (`split`). One tensor per value,
-        not per request: each tensor sent costs its own share of the pickling.
+        Returns ``{"order": [caller ids], "missing": {caller id: why it has no
+        values}, **Arena.handover(...)}``: per value key, one list of pieces
+        per id in ``order``.
         """
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if self.arena.device_copies:
             torch.cuda.current_stream().synchronize()  # the copies off the device were queued
-        order, lengths, missing = [], [], {}
-        parts: dict[str, list[torch.Tensor]] = {key: [] for key in self.layouts}
+        order, missing, dropped = [], {}, []
+        pieces: dict[str, list[list[Piece]]] = {key: [] for key in self.layouts}
         for caller_id in requests:
             request = self.engine_ids.pop(caller_id, caller_id)
             length, rows = self.prompts.pop(request, None), self.rows.pop(request, None)
@@ -164,13 +170,15 @@ class Collector:
                     f"{short[0]}: {seen.get(short[0], 0)} of the prompt's {length} rows were computed (a prefix-cache "
                     "hit skips the cached tokens' forward); run without prefix caching"
                 )
+                dropped.extend(piece for each in rows.values() for piece in each)
                 continue
             order.append(caller_id)
-            lengths.append(length)
             for key in self.layouts:
-                parts[key].extend(rows[key])
-        values = {key: _joined(tensors) for key, tensors in parts.items() if tensors}
-        return {"order": order, "lengths": lengths, "values": values, "missing": missing}
+                pieces[key].append(rows[key])
+        self.arena.release(dropped)
+        layouts = {key: self.row_layouts[key] for key in self.layouts if key in self.row_layouts}
+        handed = self.arena.handover({key: each for key, each in pieces.items() if each}, layouts)
+        return {"order": order, "missing": missing, **handed}
 
     def close(self) -> None:
         for handle in self.handles:
@@ -180,41 +188,9 @@ class Collector:
         self.rows.clear()
         self.seen.clear()
         self.engine_ids.clear()
-        for path in self.files:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-        self.files.clear()
-
-
-def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
-    """``torch.cat(parts)``, without a copy where the parts lie end to end in one host buffer.
-
-    They do when the requests taken together were read side by side in one step (every
-    request of a step of one-token prompts finishes in it): one step's copy, handed on.
-    """
-    runs = [parts[0]]
-    for part in parts[1:]:
-        last = runs[-1]
-        if (
-            part.untyped_storage().data_ptr() == last.untyped_storage().data_ptr()
-            and part.storage_offset() == last.storage_offset() + last.numel()
-            and part.shape[1:] == last.shape[1:]
-            and last.is_contiguous()
-            and part.is_contiguous()
-        ):
-            runs[-1] = last.as_strided((last.shape[0] + part.shape[0], *last.shape[1:]), last.stride())
-        else:
-            runs.append(part)
-    return runs[0] if len(runs) == 1 else torch.cat(runs)
-
-
-def _off_device(rows: torch.Tensor, fresh: bool = False) -> torch.Tensor:
-    """A host copy of ``rows`` (``rows`` itself when ``fresh``: a tensor of our own on the CPU);
-    from a GPU, queued on the stream into pinned memory (no wait here)."""
-    if rows.device.type == "cpu":
-        return rows if fresh else rows.clone()
-    host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-    return host.copy_(rows, non_blocking=True)
+        if self.arena.device_copies:
+            torch.cuda.current_stream().synchronize()  # no copy may still be writing into a chunk let go
+        self.arena.close()
 
 
 def step_spans(runner: Any, scheduler_output: Any) -> list[tuple[str, int, int]]:
@@ -250,78 +226,32 @@ def _collectors(worker: Any) -> dict[str, Collector]:
 
 def start(worker: Any, name: str, reads: list[Read]) -> str:
     """Install a collector named ``name`` for ``reads``."""
-    _collectors(worker)[name] = Collector(worker.model_runner, reads)
+    _collectors(worker)[name] = Collector(worker.model_runner, reads, name)
     return name
 
 
-#: Where `take` leaves a batch of values for the client when it can: a memory file system on the same host.
-SHARED_MEMORY = "/dev/shm"
+def take(worker: Any, name: str, requests: list[str]) -> dict[str, Any]:
+    """Hand over (and forget) finished requests' values (`Collector.take`); the client reads them with `received`."""
+    return _collectors(worker)[name].take(requests)
 
 
-def take(worker: Any, name: str, requests: list[str]) -> tuple[str, Any]:
-    """Hand over (and forget) finished requests' values (`Collector.take`).
-
-    Returns ``("file", path)``: a `torch.save` file in shared memory
-    (`SHARED_MEMORY`), which the client maps and unlinks (`unpack`); or, where
-    that has no room, ``("bytes", data)``: the same file's bytes through the
-    RPC. A file crosses with no copy through vLLM's RPC encoding (which also
-    brings a tensor nested in untyped results back as a list); through it, a
-    batch of a 1B model's streams takes longer than its forward.
-    """
-    import io
-    import tempfile
-
-    packed = _collectors(worker)[name].take(requests)
-    size = sum(tensor.numel() * tensor.element_size() for tensor in packed["values"].values())
-    if os.path.isdir(SHARED_MEMORY) and os.access(SHARED_MEMORY, os.W_OK):
-        room = os.statvfs(SHARED_MEMORY)
-        if room.f_bavail * room.f_frsize > 2 * size + (64 << 20):
-            handle, path = tempfile.mkstemp(prefix=f"vlenvoys-{name}-", suffix=".pt", dir=SHARED_MEMORY)
-            os.close(handle)
-            try:
-                torch.save(packed, path)
-                _collectors(worker)[name].files.append(path)
-                return ("file", path)
-            except OSError:
-                os.unlink(path)
-    buffer = io.BytesIO()
-    torch.save(packed, buffer)
-    return ("bytes", buffer.getvalue())
-
-
-def unpack(taken: Sequence[Any]) -> dict:
-    """Client side: what `take` handed over (a shared-memory file is mapped, then unlinked).
-
-    Raises:
-        RuntimeError: the file is not on this host (an engine on another machine).
-    """
-    import io
-
-    kind, data = taken
-    if kind == "bytes":
-        return torch.load(io.BytesIO(data), weights_only=True)
-    try:
-        # Mapped, not read: the values stay in the file's pages (private to this process once unlinked).
-        return torch.load(data, mmap=True, weights_only=True)
-    except FileNotFoundError as error:
-        raise RuntimeError(f"the engine left its values at {data}, which this host does not have") from error
-    finally:
-        if os.path.exists(data):
-            os.unlink(data)
+def received(taken: dict[str, Any]) -> dict[str, Any]:
+    """Client side: `take`'s answer with each request's rows as tensors (``{"order", "missing", "values":
+    {key: [rows of each id in order]}}``; see `vlenvoys.handover.received` for the errors)."""
+    return {"order": taken["order"], "missing": taken["missing"], "values": handover.received(taken)}
 
 
 def split(model: Any, reads: Sequence[Read], taken: dict) -> dict[str, dict[str, torch.Tensor] | str]:
     """Client side: each request's values in their layouts (``[1, tokens, ...]``), or why it has none.
 
-    The values are views of one tensor per value (`Collector.take`): rows of
+    The values are views of the engine's host blocks (`received`): rows of
     different requests never overlap, so each is that request's own.
     """
     result: dict[str, Any] = dict(taken["missing"])
-    pieces = {key: torch.split(flat, taken["lengths"]) for key, flat in taken["values"].items()}
     for read in reads:
         envoy, value = _descriptor(model, read)
         key, head_dim = f"{read[2]}.{read[0]}", value._head_dim(envoy)
-        for caller_id, rows in zip(taken["order"], pieces.get(key, ()), strict=True):
+        for caller_id, rows in zip(taken["order"], taken["values"].get(key, ()), strict=True):
             if head_dim is not None:
                 rows = rows.reshape(*rows.shape[:-1], -1, head_dim)
             result.setdefault(caller_id, {})[key] = value._stub(envoy, rows.unsqueeze(0))

@@ -102,10 +102,26 @@ class Steering:
             )
         return {
             "layers": blocks,
-            # The model-dtype values, exact in float32, as a list: the request's arguments travel as msgpack.
-            "vector": scaled.float().tolist(),
+            # The model-dtype values, exact in float32, as raw bytes: vLLM deep-copies and walks a request's
+            # extra_args on its way in, which for a list of 2048 floats took 2.5 ms a request (bytes: 0.1).
+            "vector": scaled.float().numpy().tobytes(),
             "positions": _positions(self.positions),
         }
+
+
+def _digest(spec: dict) -> str:
+    """A steering's fingerprint (its requests' cache salt)."""
+    rest = {key: value for key, value in spec.items() if key != "vector"}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True).encode() + bytes(spec["vector"])).hexdigest()
+
+
+def _vector(encoded: Any) -> torch.Tensor:
+    """A spec's vector as float32: raw bytes (`Steering.encode`), or a list of numbers (a hand-written request)."""
+    if isinstance(encoded, (bytes, bytearray, memoryview)):
+        if len(encoded) % 4:
+            raise ValueError(f"a vector of {len(encoded)} bytes is not float32 values")
+        return torch.frombuffer(bytearray(encoded), dtype=torch.float32)
+    return torch.tensor(encoded, dtype=torch.float32)
 
 
 def _dtype(model: Any) -> torch.dtype:
@@ -197,7 +213,7 @@ def generate(
         if each is not None:
             if id(each) not in encoded:
                 spec = each.encode(model)
-                encoded[id(each)] = spec, hashlib.sha256(json.dumps(spec).encode()).hexdigest()
+                encoded[id(each)] = spec, _digest(spec)
             spec, salt = encoded[id(each)]
             params = params.clone()
             params.extra_args = {**(params.extra_args or {}), KEY: spec}
@@ -310,7 +326,7 @@ class Steerer:
             layers = [int(layer) for layer in spec["layers"]]
             if not layers or any(layer < 0 or layer >= self.blocks for layer in layers):
                 raise ValueError(f"blocks {layers}: the model has blocks 0 to {self.blocks - 1}")
-            vector = torch.tensor(spec["vector"], dtype=torch.float32)
+            vector = _vector(spec["vector"])
             if tuple(vector.shape) != (self.hidden,):
                 raise ValueError(f"a vector of shape {list(vector.shape)} for a stream of {self.hidden}")
             if not torch.isfinite(vector).all():
