@@ -46,13 +46,13 @@ def test_rows_come_back_equal_and_no_file_outlives_the_run(where, dtype):
     arena = Arena(name, device_copies=False)
     arena.files = where == "files"
     generator = torch.Generator().manual_seed(0)
-    lengths = [[3, 5], [2], [7, 1, 4], [6]]
+    lengths = [[3, 5], [2], [7, 1, 4], [6], [200, 100], [1]]  # 300 rows: a block larger than any chunk
     steps = [torch.randn(sum(counts), 2, 8, generator=generator).to(dtype) for counts in lengths]
     pieces = write_steps(arena, steps, lengths)
     expected = torch.cat(steps).split([count for counts in lengths for count in counts])
     layout = {"v": ([2, 8], str(dtype).removeprefix("torch."))}
     got = []
-    for batch in ([0, 1], [2], [3, 4, 5], [6]):  # handed over in several takes, as requests finish
+    for batch in ([0, 1], [2], [3, 4, 5], [6, 7], [8, 9]):  # handed over in several takes, as requests finish
         handed = arena.handover({"v": [pieces[number] for number in batch]}, layout)
         assert (handed["inline"] is not None) == (where == "process memory")
         got.extend(received(handed)["v"])
@@ -73,13 +73,15 @@ def test_rows_dropped_unhanded_free_their_chunk():
     name = f"test-{os.getpid()}-dropped"
     arena = Arena(name, device_copies=False)
     pieces = write_steps(arena, [torch.ones(4, 8), torch.ones(2, 8)], [[1, 3], [2]])
-    assert len(mine(name)) == 1
+    first = arena.chunks[0].path
     arena.release(pieces[1])
     arena.block(torch.Size([handover.FIRST_CHUNK // 4]), torch.float32)  # fills the chunk: a new one is current
     handed = arena.handover({"v": [pieces[0], pieces[2]]}, {"v": ([8], "float32")})
-    assert handed["retired"], "the first chunk is retired with its last rows"
+    assert handed["retired"] == [first], "the first chunk is retired with its last rows"
+    assert os.path.exists(first)
     received(handed)
-    assert len(mine(name)) == 1, "the client unlinked the retired one; the current one is left"
+    assert not os.path.exists(first), "the client unlinked the retired chunk"
+    assert mine(name), "the current chunk and the spares made ahead are still there"
     arena.close()
     assert mine(name) == []
 
