@@ -26,8 +26,6 @@ import contextlib
 import io
 import os
 import tempfile
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -35,27 +33,14 @@ import torch
 #: A memory file system on the same host.
 SHARED_MEMORY = "/dev/shm"
 #: The first chunk's size; each next one doubles, up to `LARGEST_CHUNK` (a short run reserves little).
-FIRST_CHUNK = 16 << 20
-LARGEST_CHUNK = 256 << 20
-#: Chunks made ahead, on worker threads. Making one costs more than filling it: on an H200's host,
-#: reserving a GiB of shared memory took 0.16 s and page-locking it 0.38 s, copying a GiB into it
-#: off the device 0.02 s. Two threads keep up with a 1B model's prefill of three streams.
-SPARES = 2
+#: Making a chunk is most of a GPU collection's cost now: on the H200's host, reserving a GiB of shared
+#: memory took 0.16 s and page-locking it 0.38 s, copying a GiB into it off the device 0.02 s.
+FIRST_CHUNK = 64 << 20
+LARGEST_CHUNK = 1 << 30
 #: Left free in shared memory for everyone else.
 MARGIN = 256 << 20
 #: Every block of rows starts at a multiple of this many bytes (any dtype's alignment).
 ALIGN = 64
-#: cudaHostRegisterPortable: page-locked for every device's context, whichever thread registers it.
-PORTABLE = 1
-
-_makers: ThreadPoolExecutor | None = None
-
-
-def _pool() -> ThreadPoolExecutor:
-    global _makers
-    if _makers is None:
-        _makers = ThreadPoolExecutor(max_workers=SPARES, thread_name_prefix="vlenvoys-chunks")
-    return _makers
 
 
 class _Chunk:
@@ -83,67 +68,38 @@ class Arena:
     def __init__(self, name: str, device_copies: bool) -> None:
         self.name = name
         self.device_copies = device_copies
-        self.device = torch.cuda.current_device() if device_copies else None
         self.chunks: dict[int, _Chunk] = {}
         self.current: int | None = None
         self.files = os.path.isdir(SHARED_MEMORY) and os.access(SHARED_MEMORY, os.W_OK)
         self.made = 0
-        self.next_size = FIRST_CHUNK
-        #: Chunks being made ahead (`SPARES`), in the order they will be used.
-        self.ahead: deque[tuple[int, Future]] = deque()
         #: Retired files not yet named in a handover (the client unlinks them).
         self.retired: list[str] = []
 
     def block(self, shape: torch.Size, dtype: torch.dtype, holders: int = 1) -> tuple[torch.Tensor, int, int]:
         """A fresh ``[shape]`` host tensor to copy rows into; returns it, its chunk id and byte offset.
 
-        ``holders``: how many pieces of it will be released (one per request whose rows it holds).
+        ``holders``: how many pieces of it will be `release`\ d (one per request whose rows it holds).
         """
         size = shape.numel() * dtype.itemsize
         chunk = self.chunks.get(self.current) if self.current is not None else None
         if chunk is None or chunk.used + size > chunk.data.numel():
             self._finish_current()
-            self.current, chunk = self._next(size)
+            self.current, chunk = self._new(max(size, min(LARGEST_CHUNK, FIRST_CHUNK << self.made)))
         offset = chunk.used
         chunk.used = -(-(offset + size) // ALIGN) * ALIGN
         chunk.live += holders
         return chunk.data[offset : offset + size].view(dtype).view(shape), self.current, offset
 
-    def _next(self, size: int) -> tuple[int, _Chunk]:
-        """The next chunk with room for ``size`` bytes: a spare made ahead where one fits, else made now."""
-        chunk = None
-        while self.ahead and chunk is None:
-            made, future = self.ahead.popleft()
-            spare = future.result()
-            if spare.data.numel() >= size:
-                chunk = spare
-            else:  # a block larger than the spares: this spare is not used
-                self._let_go(spare)
-                self._unlink(spare)
-        if chunk is None:
-            made = max(size, self.next_size)
-            chunk = self._make(made)
+    def _new(self, size: int) -> tuple[int, _Chunk]:
         chunk_id = self.made
         self.made += 1
-        self.chunks[chunk_id] = chunk
-        while len(self.ahead) < SPARES:
-            self.next_size = min(LARGEST_CHUNK, self.next_size * 2)
-            self.ahead.append((self.next_size, _pool().submit(self._make, self.next_size)))
-        return chunk_id, chunk
-
-    def _make(self, size: int) -> _Chunk:
-        """A chunk of ``size`` bytes: a file in shared memory where it has room, else process memory."""
-        chunk = None
-        if self.files:
-            try:
-                chunk = self._file(size)
-            except (OSError, RuntimeError):  # on a worker thread or in a step: never raised into the forward
-                chunk = None
+        chunk = self._file(size) if self.files else None
         if chunk is None:
             self.files = False  # no room: process memory from here on
             data = torch.empty(size, dtype=torch.uint8, pin_memory=self.device_copies)
             chunk = _Chunk(None, data, pinned=False)
-        return chunk
+        self.chunks[chunk_id] = chunk
+        return chunk_id, chunk
 
     def _file(self, size: int) -> _Chunk | None:
         room = os.statvfs(SHARED_MEMORY)
@@ -161,11 +117,7 @@ class Arena:
         data = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
         pinned = False
         if self.device_copies:
-            try:  # unpinned, a copy into it still lands, but waits for the device
-                torch.cuda.set_device(self.device)  # this thread's device is the engine's (a worker thread starts on 0)
-                pinned = int(torch.cuda.cudart().cudaHostRegister(data.data_ptr(), size, PORTABLE)) == 0
-            except (AttributeError, RuntimeError):
-                pinned = False
+            pinned = torch.cuda.cudart().cudaHostRegister(data.data_ptr(), size, 0) == 0
         return _Chunk(path, data, pinned)
 
     def _finish_current(self) -> None:
@@ -233,19 +185,13 @@ class Arena:
         retired, self.retired = self.retired, []
         return {"rows": rows, "pieces": sent, "inline": packed, "retired": retired}
 
-    @staticmethod
-    def _unlink(chunk: _Chunk) -> None:
-        if chunk.path is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(chunk.path)
-
     def close(self) -> None:
-        """Let every chunk go (the spares once made) and remove the files no client was told of."""
-        spares = [future.result() for _, future in self.ahead]
-        self.ahead.clear()
-        for chunk in [*self.chunks.values(), *spares]:
+        """Let every chunk go and remove the files no client was told of."""
+        for chunk in self.chunks.values():
             self._let_go(chunk)
-            self._unlink(chunk)
+            if chunk.path is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(chunk.path)
         self.chunks.clear()
         self.current = None
         for path in self.retired:
