@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from vlenvoys import testing
 from vlenvoys.cli import app
-from vlenvoys.conformance import logits_of
+from vlenvoys.conformance import close, logits_of
 
 on_tiny_llama = pytest.mark.parametrize("subject", ["LlamaForCausalLM"], indirect=True)
 
@@ -290,3 +290,28 @@ def test_commands_refuse_bad_options_before_starting_vllm(tiny_llama, tmp_path):
     result = runner.invoke(app, ["patterns", str(tiny_llama), "--layer", "-4"])
     assert result.exit_code == 1 and "blocks 0 to 2" in result.output
     assert runner.invoke(app, ["lens", str(tiny_llama), "--top", "0"]).exit_code == 2
+
+
+@on_tiny_llama
+def test_containers_saved_above_the_invokes_hold_every_invokes_entries(subject):
+    """As sequential invokes on transformers leave them: per-invoke sub-lists, one flat list, pre-sized slots."""
+    model, prompts = subject.model, subject.prompts[:3]
+    with model.trace(temperature=0.0, max_tokens=1) as tracer:
+        rows = [list() for _ in prompts].save()
+        flat = list().save()
+        slots = [None] * len(prompts)
+        slots = slots.save()
+        for number, prompt in enumerate(prompts):
+            with tracer.invoke(prompt):
+                stream = model.layers[0].layer_output
+                rows[number].append(stream[0, -1])
+                rows[number].append(number)
+                flat.append(stream.shape[1])
+                slots[number] = model.logits[0]  # the last position's, [vocab]
+    with torch.no_grad():
+        reference = [subject.reference(torch.tensor([prompt]), output_hidden_states=True) for prompt in prompts]
+    assert [len(each) for each in rows] == [2, 2, 2] and [each[1] for each in rows] == [0, 1, 2]
+    assert flat == [len(prompt) for prompt in prompts]
+    for number, output in enumerate(reference):
+        assert close(subject, "saved above the invokes: layer_output", rows[number][0].cpu(), output.hidden_states[1][0, -1])
+        assert close(subject, "saved above the invokes: logits", slots[number].cpu(), output.logits[0, -1])

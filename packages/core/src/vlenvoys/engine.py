@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 from nnsight.modeling.vllm import VLLM
 from nnsight.modeling.vllm.envoys import parallel_envoys
@@ -102,11 +103,20 @@ class StandardizedVLLM(VLLM):
 
     @staticmethod
     def _collect(mediators: list, outputs: list) -> None:
+        from nnsight.modeling.vllm import collect as nnsight_collect
+
+        from .saves import merged
+
+        # nnsight's merge of containers saved above the invokes keeps one request's entries where
+        # the copies' lengths differ; ours merges against the base the client still has (`saves`).
+        own, nnsight_collect.merge_shared_saves = nnsight_collect.merge_shared_saves, merged
         try:
             VLLM._collect(mediators, outputs)
         except RuntimeError as error:
             reraise(error)
             raise
+        finally:
+            nnsight_collect.merge_shared_saves = own
 
     @property
     def EMBEDDING(self) -> str:
@@ -620,7 +630,12 @@ def shutdown(model: VLLM) -> None:
     engine = getattr(model.vllm_entrypoint, "llm_engine", None)
     core = getattr(engine, "engine_core", None)
     if core is not None:
-        core.shutdown()
+        try:
+            core.shutdown()
+        except psutil.NoSuchProcess:
+            # vLLM names each worker process before it kills it, and one that exits in between raises
+            # (seen in CI, on a loaded machine): finish what its shutdown left.
+            _stop_leftovers(core)
     model.vllm_entrypoint = None
     model._shut_down = True
 
@@ -628,3 +643,21 @@ def shutdown(model: VLLM) -> None:
 def family_of(model: StandardizedVLLM) -> InstalledFamily:
     """The installed family serving ``model``."""
     return model.family
+
+
+def _stop_leftovers(core: Any) -> None:
+    """Kill the engine processes (and theirs) still alive, then release the client's resources."""
+    resources = getattr(core, "resources", None)
+    manager = getattr(resources, "engine_manager", None)
+    for process in getattr(manager, "processes", ()):
+        if process.pid is None or not process.is_alive():
+            continue
+        with contextlib.suppress(psutil.NoSuchProcess):
+            for child in psutil.Process(process.pid).children(recursive=True):
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    child.kill()
+        with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+            process.kill()
+            process.join(5)
+    if resources is not None:
+        resources()  # the sockets and threads vLLM's shutdown releases after the processes

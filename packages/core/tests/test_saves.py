@@ -1,0 +1,46 @@
+"""`vlenvoys.saves`: containers saved above a trace's invokes, merged against their base as sequential invokes fill them."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from vlenvoys.saves import _merge, merged
+
+
+def test_sub_lists_filled_per_invoke_keep_every_invokes_entries():
+    assert _merge([[], [], []], [[[4, 0], [], []], [[], [6, 1], []], [[], [], [5, 2]]]) == [[4, 0], [6, 1], [5, 2]]
+
+
+def test_appends_to_one_list_follow_in_invoke_order_after_the_base():
+    assert _merge([], [[0], [1], [2]]) == [0, 1, 2]
+    assert _merge(["x"], [["x", 0], ["x", 1, 1]]) == ["x", 0, 1, 1]
+    assert _merge([], [[5], [5]]) == [5, 5], "equal entries of two invokes are two entries"
+
+
+def test_slots_written_per_invoke_and_the_last_change_wins():
+    assert _merge([None, None, None], [[0, None, None], [None, 10, None], [None, None, 20]]) == [0, 10, 20]
+    assert _merge([1], [[2], [1], [3]]) == [3], "an invoke that left a slot alone changes nothing"
+    assert _merge(7, [7, 8, 7]) == 8
+
+
+def test_dicts_take_every_invokes_keys_and_drop_deleted_ones():
+    base = {"kept": 1, "gone": 2}
+    copies = [{"kept": 1, "gone": 2, "a": 0}, {"kept": 1, "b": 1}, {"kept": 9, "gone": 2}]
+    assert _merge(base, copies) == {"kept": 9, "a": 0, "b": 1}
+
+
+def test_tensors_compare_by_value_and_a_shortened_list_keeps_the_last_copy():
+    base = [torch.zeros(2)]
+    assert torch.equal(_merge(base, [[torch.zeros(2)], [torch.ones(2)]])[0], torch.ones(2))
+    assert _merge([1, 2], [[1, 2, 3], [1]]) == [1]
+
+
+def test_merged_writes_into_every_scope_and_leaves_names_saved_once():
+    base = [[], []]
+    mediators = [SimpleNamespace(presaved={"rows", "once"}, lcls={"rows": base, "once": 0}) for _ in range(2)]
+    saves = [{"rows": [[1], []], "once": 3, "own": "a"}, {"rows": [[], [2]], "own": "b"}]
+    shared = merged(mediators, saves)
+    assert shared == {"rows": [[1], [2]]}
+    assert all(mediator.lcls["rows"] == [[1], [2]] for mediator in mediators)
