@@ -103,14 +103,40 @@ def send_back_what_can_be_sent() -> None:
                         del bucket[name]
                         if entry.get("error") is None:
                             entry["error"] = capture_exception(TypeError(
-                                f"the saved variable {name!r} ({type(value).__module__}.{type(value).__qualname__}) "
-                                f"cannot be sent back from the engine ({type(error).__name__}: {error}); "
-                                "save tensors, numbers, strings or containers of them"
+                                f"the saved variable {name!r} ({_type_name(value)}) cannot be sent back from the "
+                                f"engine: {_why_unsendable(value, error, dumps)}; save tensors, numbers, strings "
+                                "or containers of them"
                             ))
         return dumps(collected)
 
     dumps_what_can_be_sent.vlenvoys = True
     runner_module.dumps_compact = dumps_what_can_be_sent
+
+
+def _type_name(value: Any) -> str:
+    return f"{type(value).__module__}.{type(value).__qualname__}"
+
+
+def _why_unsendable(value: Any, error: Exception, dumps: Any) -> str:
+    """What in ``value`` will not pickle, in the user's terms (the pickler's own error can name a module
+    it failed to import while looking for the culprit, such as torchvision for a lambda)."""
+    import types
+
+    culprit = value
+    while True:
+        parts = culprit.values() if isinstance(culprit, dict) else culprit if isinstance(culprit, (list, tuple, set)) else ()
+        for part in parts:
+            try:
+                dumps(part)
+            except Exception:
+                culprit = part
+                break
+        else:
+            break
+    where = "it is" if culprit is value else f"it holds a {_type_name(culprit)}, which is"
+    if isinstance(culprit, (types.FunctionType, types.LambdaType, types.MethodType)):
+        return f"{where} a function, and functions defined in a trace do not pickle"
+    return f"{where} not picklable ({type(error).__name__}: {error})"
 
 
 class StandardWorker:
