@@ -308,10 +308,12 @@ def test_containers_saved_above_the_invokes_hold_every_invokes_entries(subject):
                 rows[number].append(number)
                 flat.append(stream.shape[1])
                 slots[number] = model.logits[0]  # the last position's, [vocab]
-    with torch.no_grad():
-        reference = [subject.reference(torch.tensor([prompt]), output_hidden_states=True) for prompt in prompts]
     assert [len(each) for each in rows] == [2, 2, 2] and [each[1] for each in rows] == [0, 1, 2]
     assert flat == [len(prompt) for prompt in prompts]
-    for number, output in enumerate(reference):
-        assert close(subject, "saved above the invokes: layer_output", rows[number][0].cpu(), output.hidden_states[1][0, -1])
-        assert close(subject, "saved above the invokes: logits", slots[number].cpu(), output.logits[0, -1])
+    for number in range(len(prompts)):
+        # The oracle's hooks, not transformers' output_hidden_states: that installs recorders holding a
+        # ContextVar on the shared reference model, and the later traces that capture `subject` stop pickling.
+        expected = subject.expected(number)
+        want = expected["values"]["layer_output"][0][0, -1]
+        assert close(subject, "saved above the invokes: layer_output", rows[number][0].cpu(), want)
+        assert close(subject, "saved above the invokes: logits", slots[number].cpu(), expected["logits"])
