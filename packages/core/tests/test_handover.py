@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -41,7 +45,7 @@ def where(request, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rows_come_back_equal_and_no_file_outlives_the_run(where, dtype):
+def test_rows_come_back_equal_and_no_file_outlives_the_arena(where, dtype):
     name = f"test-{os.getpid()}-{where.replace(' ', '')}-{str(dtype)[6:]}"
     arena = Arena(name, device_copies=False)
     arena.files = where == "files"
@@ -53,60 +57,159 @@ def test_rows_come_back_equal_and_no_file_outlives_the_run(where, dtype):
     layout = {"v": ([2, 8], str(dtype).removeprefix("torch."))}
     got = []
     for batch in ([0, 1], [2], [3, 4, 5], [6, 7], [8, 9]):  # handed over in several takes, as requests finish
-        handed = arena.handover({"v": [pieces[number] for number in batch]}, layout)
+        arena.acknowledge("c")
+        handed = arena.handover({"v": [pieces[number] for number in batch]}, layout, owner="c")
         assert (handed["inline"] is not None) == (where == "process memory")
         got.extend(received(handed)["v"])
     arena.close()
+    assert mine(name) == [], "close removed every file"
     assert len(got) == len(expected)
     for ours, theirs in zip(got, expected, strict=True):
-        assert ours.dtype == dtype and torch.equal(ours, theirs)
-    assert mine(name) == [], "every file was unlinked (retired ones by the client, the rest by close)"
+        assert ours.dtype == dtype and torch.equal(ours, theirs), "a client's mapping outlives the file's name"
     # Private mappings: writing into a returned tensor changes no other request's rows.
     got[0].zero_()
     assert torch.equal(got[1], expected[1])
 
 
-def test_rows_dropped_unhanded_free_their_chunk():
-    """A request that comes back short is dropped; its chunk retires once nobody else holds rows in it."""
+@pytest.fixture
+def files_only(monkeypatch):
+    monkeypatch.setattr(handover, "FIRST_CHUNK", 4096)
     if not os.access(handover.SHARED_MEMORY, os.W_OK):
         pytest.skip(f"{handover.SHARED_MEMORY} is not writable here")
-    name = f"test-{os.getpid()}-dropped"
+
+
+def fill(arena: Arena) -> None:
+    """Use up the current chunk (and drop the filler): the next rows need another chunk."""
+    chunk = arena.chunks[arena.current]
+    arena.block(torch.Size([chunk.size - chunk.used]), torch.uint8)
+    arena.release([(arena.current, 0, 0)])
+
+
+def one_take(arena: Arena, rows: torch.Tensor, owner: str = "c") -> torch.Tensor:
+    """One request's rows written, handed over and received, as a collector and its client do."""
+    pieces = write_steps(arena, [rows], [[len(rows)]])
+    return received(arena.handover({"v": [pieces[0]]}, {"v": ([rows.shape[1]], "float32")}, owner=owner))["v"][0]
+
+
+def test_a_chunk_is_reused_only_once_the_client_let_go_of_it(files_only):
+    name = f"test-{os.getpid()}-reuse"
     arena = Arena(name, device_copies=False)
-    pieces = write_steps(arena, [torch.ones(4, 8), torch.ones(2, 8)], [[1, 3], [2]])
-    assert len(mine(name)) == 1
-    arena.release(pieces[1])
-    arena.block(torch.Size([handover.FIRST_CHUNK // 4]), torch.float32)  # fills the chunk: a new one is current
-    handed = arena.handover({"v": [pieces[0], pieces[2]]}, {"v": ([8], "float32")})
-    assert handed["retired"], "the first chunk is retired with its last rows"
-    received(handed)
-    assert len(mine(name)) == 1, "the client unlinked the retired one; the current one is left"
+    first = one_take(arena, torch.full((4, 8), 1.0))
+    fill(arena)
+    arena.acknowledge("c")
+    second = one_take(arena, torch.full((4, 8), 2.0))
+    assert len(mine(name)) == 2, "the first chunk is still mapped by the client: a new one was made"
+    assert torch.equal(first, torch.full((4, 8), 1.0)), "rows a client holds are never overwritten"
+    del first
+    gc.collect()
+    fill(arena)
+    arena.acknowledge("c")
+    third = one_take(arena, torch.full((4, 8), 3.0))
+    assert len(mine(name)) == 2, "the first chunk, let go, was reused"
+    assert torch.equal(second, torch.full((4, 8), 2.0)) and torch.equal(third, torch.full((4, 8), 3.0))
     arena.close()
     assert mine(name) == []
 
 
+def test_a_chunk_named_in_a_handover_waits_for_its_collector_to_call_again(files_only):
+    """Between a handover and the client's mapping of it, no lock is held yet: only the next call says it is mapped."""
+    name = f"test-{os.getpid()}-ack"
+    arena = Arena(name, device_copies=False)
+    pieces = write_steps(arena, [torch.ones(2, 8)], [[2]])
+    handed = arena.handover({"v": [pieces[0]]}, {"v": ([8], "float32")}, owner="c")
+    fill(arena)
+    arena.acknowledge("someone else")
+    one_take(arena, torch.zeros(2, 8), owner="someone else")
+    assert len(mine(name)) == 2, "not reused before its collector called again"
+    assert torch.equal(received(handed)["v"][0], torch.ones(2, 8))
+    arena.close()
+
+
+def test_rows_dropped_unhanded_free_their_chunk(files_only):
+    """A request that comes back short is dropped; its chunk is reused once nobody else holds rows in it."""
+    name = f"test-{os.getpid()}-dropped"
+    arena = Arena(name, device_copies=False)
+    pieces = write_steps(arena, [torch.ones(4, 8), torch.ones(2, 8)], [[1, 3], [2]])
+    arena.release(pieces[1])
+    handed = arena.handover({"v": [pieces[0], pieces[2]]}, {"v": ([8], "float32")}, owner="c")
+    assert [len(rows) for rows in received(handed)["v"]] == [1, 2]
+    gc.collect()
+    fill(arena)
+    arena.acknowledge("c")
+    one_take(arena, torch.ones(2, 8))
+    assert len(mine(name)) == 1, "the chunk was reused: its dropped rows hold it no longer"
+    arena.close()
+
+
+def test_idle_chunks_above_the_bound_are_given_up_mapped_ones_first(files_only):
+    name = f"test-{os.getpid()}-keep"
+    arena = Arena(name, device_copies=False, keep=2 * 4096)
+    held = one_take(arena, torch.full((3, 8), 5.0))
+    fill(arena)
+    one_take(arena, torch.ones(1, 8))  # a second chunk, idle once filled, and free: nobody keeps its rows
+    fill(arena)
+    one_take(arena, torch.ones(1, 8))  # a third one is current
+    arena.acknowledge("c")
+    assert len(mine(name)) == 2, "the idle chunk the client maps was given up; the idle free one is kept"
+    assert torch.equal(held, torch.full((3, 8), 5.0)), "its mapping outlives the file"
+    arena.close()
+
+
+def test_sweep_removes_files_of_exited_workers_only(files_only):
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    dead = os.path.join(handover.SHARED_MEMORY, f"vlenvoys-rows-{child.pid}-test.rows")
+    living = os.path.join(handover.SHARED_MEMORY, f"vlenvoys-rows-{os.getpid()}-test.rows")
+    for path in (dead, living):
+        open(path, "wb").close()
+    try:
+        assert os.path.basename(dead) in handover.sweep()
+        assert not os.path.exists(dead) and os.path.exists(living)
+    finally:
+        for path in (dead, living):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
 def test_a_file_the_host_does_not_have_is_a_clear_error():
-    handed = {"rows": {"v": ([8], "float32")}, "pieces": {"v": [[("/dev/shm/vlenvoys-nowhere.rows", 0, 1)]]},
-              "inline": None, "retired": []}
+    handed = {"rows": {"v": ([8], "float32")}, "pieces": {"v": [[("/dev/shm/vlenvoys-nowhere.rows", 0, 1)]]}, "inline": None}
     with pytest.raises(RuntimeError, match="left its values at /dev/shm/vlenvoys-nowhere.rows, which this host"):
         received(handed)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="copies off a CUDA device")
-def test_rows_copied_off_the_device_without_waiting_arrive_whole():
-    """On a GPU the chunks are registered with CUDA and the copies queued; the handover follows a sync."""
+def test_rows_copied_off_the_device_without_waiting_arrive_whole(monkeypatch):
+    """On a GPU the chunks are registered with CUDA and the copies queued; the handover follows a sync.
+
+    Rounds as a user's loop runs them (``out = collect(...)``: each round's rows are kept until the next
+    round has returned), with small chunks: chunks are reused, registered once, and kept rows stay whole.
+    """
+    monkeypatch.setattr(handover, "FIRST_CHUNK", 64 << 10)
+    monkeypatch.setattr(handover, "LARGEST_CHUNK", 256 << 10)
     name = f"test-{os.getpid()}-cuda"
     arena = Arena(name, device_copies=True)
     generator = torch.Generator().manual_seed(1)
-    steps = [torch.randn(count, 64, generator=generator).to("cuda", torch.bfloat16) for count in (300, 5, 900)]
-    pieces = {}
-    for number, rows in enumerate(steps):
-        block, chunk, offset = arena.block(rows.shape, rows.dtype)
-        block.copy_(rows, non_blocking=True)
-        pieces[number] = [(chunk, offset, rows.shape[0])]
-    assert all(chunk.pinned for chunk in arena.chunks.values() if chunk.path is not None)
-    torch.cuda.current_stream().synchronize()
-    got = received(arena.handover({"v": list(pieces.values())}, {"v": ([64], "bfloat16")}))["v"]
+    kept, files = None, []
+    for round in range(8):
+        arena.acknowledge("c")  # the client calls again: it mapped the last round's handover
+        steps = [torch.randn(count, 64, generator=generator).to("cuda", torch.bfloat16) for count in (300, 5, 900, 40)]
+        pieces = {}
+        for number, rows in enumerate(steps):
+            block, chunk, offset = arena.block(rows.shape, rows.dtype)
+            block.copy_(rows, non_blocking=True)
+            pieces[number] = [(chunk, offset, rows.shape[0])]
+        assert all(chunk.pinned for chunk in arena.chunks.values() if chunk.path is not None)
+        torch.cuda.current_stream().synchronize()
+        got = received(arena.handover({"v": list(pieces.values())}, {"v": ([64], "bfloat16")}, owner="c"))["v"]
+        for ours, theirs in zip(got, steps, strict=True):
+            assert torch.equal(ours, theirs.cpu()), round
+        if kept is not None:
+            for ours, theirs in zip(*kept, strict=True):
+                assert torch.equal(ours, theirs), f"round {round - 1}'s rows, still kept, were written over"
+        kept = (got, [rows.cpu() for rows in steps])
+        del got
+        gc.collect()
+        files.append(len(mine(name)))
+    assert files[-1] == files[-4], f"chunks are reused once let go (files after each round: {files})"
     arena.close()
-    for ours, theirs in zip(got, steps, strict=True):
-        assert torch.equal(ours, theirs.cpu())
     assert mine(name) == []

@@ -23,6 +23,7 @@ short.
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -84,8 +85,9 @@ class Collector:
         #: value key -> (row shape, dtype name), from its first rows.
         self.row_layouts: dict[str, tuple[list[int], str]] = {}
         self.handles: list[Any] = []
-        #: Host memory the rows are copied into, which the client maps (`vlenvoys.handover`).
-        self.arena = Arena(name, device_copies=torch.device(runner.device).type == "cuda")
+        self.name = name
+        #: The worker's host memory the rows are copied into, which the client maps (`vlenvoys.handover`).
+        self.arena = _arena(runner)
         for read in reads:
             envoy, value = _descriptor(model, read)
             key = f"{read[2]}.{read[0]}"
@@ -155,6 +157,8 @@ class Collector:
         """
         if self.arena.device_copies:
             torch.cuda.current_stream().synchronize()  # the copies off the device were queued
+        # The client maps each handover before it calls again: what it was given before may be reused.
+        self.arena.acknowledge(self.name)
         order, missing, dropped = [], {}, []
         pieces: dict[str, list[list[Piece]]] = {key: [] for key in self.layouts}
         for caller_id in requests:
@@ -177,20 +181,22 @@ class Collector:
                 pieces[key].append(rows[key])
         self.arena.release(dropped)
         layouts = {key: self.row_layouts[key] for key in self.layouts if key in self.row_layouts}
-        handed = self.arena.handover({key: each for key, each in pieces.items() if each}, layouts)
+        handed = self.arena.handover({key: each for key, each in pieces.items() if each}, layouts, owner=self.name)
         return {"order": order, "missing": missing, **handed}
 
     def close(self) -> None:
+        """Remove the hooks; rows never taken are dropped, and what was handed over may be reused."""
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+        if self.arena.device_copies:
+            torch.cuda.current_stream().synchronize()  # no copy may still be writing into a chunk let go
+        self.arena.release([piece for values in self.rows.values() for each in values.values() for piece in each])
+        self.arena.acknowledge(self.name)  # the client stops after it has mapped every handover
         self.prompts.clear()
         self.rows.clear()
         self.seen.clear()
         self.engine_ids.clear()
-        if self.arena.device_copies:
-            torch.cuda.current_stream().synchronize()  # no copy may still be writing into a chunk let go
-        self.arena.close()
 
 
 def step_spans(runner: Any, scheduler_output: Any) -> list[tuple[str, int, int]]:
@@ -215,6 +221,22 @@ def step_spans(runner: Any, scheduler_output: Any) -> list[tuple[str, int, int]]
 
 
 # -- the worker's RPCs (`vlenvoys.workers.StandardWorker` calls these with itself) ----------
+
+
+def _arena(runner: Any) -> Arena:
+    """The worker's one `Arena`, kept for its life: its chunks are reused across collections."""
+    if getattr(runner, "vlenvoys_arena", None) is None:
+        device_copies = torch.device(runner.device).type == "cuda"
+        runner.vlenvoys_arena = Arena(f"rows-{os.getpid()}", device_copies=device_copies)
+    return runner.vlenvoys_arena
+
+
+def close_arena(worker: Any) -> None:
+    """At the worker's shutdown: give every chunk up and remove the files."""
+    arena = getattr(worker.model_runner, "vlenvoys_arena", None)
+    if arena is not None:
+        arena.close()
+        worker.model_runner.vlenvoys_arena = None
 
 
 def _collectors(worker: Any) -> dict[str, Collector]:

@@ -636,6 +636,9 @@ def shutdown(model: VLLM) -> None:
             # vLLM names each worker process before it kills it, and one that exits in between raises
             # (seen in CI, on a loaded machine): finish what its shutdown left.
             _stop_leftovers(core)
+    from .handover import sweep
+
+    sweep()  # collected rows' files of a worker that was killed before it removed them
     model.vllm_entrypoint = None
     model._shut_down = True
 

@@ -1,4 +1,4 @@
-"""How rows read on the engine reach the client: written once, mapped, never serialized.
+"""How rows read on the engine reach the client: written once, mapped, never serialized; memory reused.
 
 A collection of a 1B model's streams is about a gigabyte per 500 prompts.
 Pickled through vLLM's RPC, or saved with ``torch.save`` into a file, that
@@ -9,12 +9,24 @@ registered with CUDA so the copies are asynchronous. The worker hands over
 only where each request's rows lie (file, byte offset, rows), and the client
 maps the files: no copy after the one off the device.
 
-Ownership: a chunk is written by the worker only, each byte once. A chunk the
-worker has finished writing and whose rows have all been handed over is
-*retired*: the worker lets its own mapping go and names it in the handover;
-the client unlinks it, after mapping it where it needs it. The memory is
-freed when the last tensor viewing it is. The client maps privately
-(copy-on-write): a user writing into a returned tensor changes nothing else.
+Making that memory cost more than using it (on the H200's host, per GiB:
+reserving 0.16 s, page-locking 0.38 s, the copy off the device 0.02 s), so a
+worker keeps one `Arena` for its life and reuses its chunks. A chunk is
+reused only when nobody can still read it:
+
+- every block of rows in it is handed over or dropped (``live`` is 0), and it
+  is no longer the one being filled;
+- every collector that named it in a handover has called again since
+  (`acknowledge`): the client maps a handover's files before its next call;
+- no client mapping of it is left: the client holds a shared ``flock`` on the
+  file for as long as any tensor viewing its mapping lives (`received`), and
+  the worker takes the chunk back only if an exclusive lock would be granted.
+
+The client maps privately (copy-on-write): a user writing into a returned
+tensor changes nothing else. Idle chunks above `keep_bytes` are given up
+(unlinked; a client's mapping outlives the name). Files carry the worker's
+process id; `sweep` removes those of processes that have exited (an engine
+killed before its worker could clean up).
 
 Where shared memory has no room (or is not there), chunks are process memory
 (pinned on a GPU) and the rows a handover needs are sent as bytes instead.
@@ -23,8 +35,11 @@ Where shared memory has no room (or is not there), chunks are process memory
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import io
+import mmap
 import os
+import re
 import tempfile
 from typing import Any
 
@@ -33,23 +48,53 @@ import torch
 #: A memory file system on the same host.
 SHARED_MEMORY = "/dev/shm"
 #: The first chunk's size; each next one doubles, up to `LARGEST_CHUNK` (a short run reserves little).
-#: Making a chunk is most of a GPU collection's cost now: on the H200's host, reserving a GiB of shared
-#: memory took 0.16 s and page-locking it 0.38 s, copying a GiB into it off the device 0.02 s.
 FIRST_CHUNK = 64 << 20
 LARGEST_CHUNK = 1 << 30
 #: Left free in shared memory for everyone else.
 MARGIN = 256 << 20
 #: Every block of rows starts at a multiple of this many bytes (any dtype's alignment).
 ALIGN = 64
+#: A worker's files: ``vlenvoys-rows-<pid>-...`` (`sweep` reads the pid back).
+_WORKER_FILE = re.compile(r"^vlenvoys-rows-(\d+)-")
+
+
+def keep_bytes() -> int:
+    """How many bytes of idle chunks a worker keeps for reuse: 8 GiB, at most a quarter of shared memory."""
+    try:
+        room = os.statvfs(SHARED_MEMORY)
+    except OSError:
+        return 8 << 30
+    return min(8 << 30, room.f_blocks * room.f_frsize // 4)
+
+
+def row_bytes(shape: list[int], dtype: str) -> int:
+    """Bytes of one row of ``shape`` (the row's own shape) in the dtype named ``dtype`` (``"bfloat16"``)."""
+    return torch.Size(shape).numel() * getattr(torch, dtype).itemsize
 
 
 class _Chunk:
-    __slots__ = ("path", "data", "used", "live", "pinned")
+    __slots__ = ("path", "fd", "data", "used", "live", "pinned", "waiting")
 
-    def __init__(self, path: str | None, data: torch.Tensor, pinned: bool) -> None:
-        self.path, self.data, self.pinned = path, data, pinned
-        self.used = 0  # bytes given out
+    def __init__(self, path: str | None, fd: int | None, data: torch.Tensor, pinned: bool) -> None:
+        self.path, self.fd, self.data, self.pinned = path, fd, data, pinned
+        self.used = 0  # bytes given out since it was (re)taken
         self.live = 0  # blocks of rows not yet handed over or dropped
+        self.waiting: set[str] = set()  # collectors that named it in a handover and have not called since
+
+    @property
+    def size(self) -> int:
+        return self.data.numel()
+
+    def mapped_by_a_client(self) -> bool:
+        """True while some process holds a shared lock on the file (a client's tensors still view it)."""
+        if self.fd is None:
+            return False
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        return False
 
 
 #: Where one request's rows at one value lie: (chunk id, byte offset, rows).
@@ -57,49 +102,69 @@ Piece = tuple[int, int, int]
 
 
 class Arena:
-    """Worker side: host memory for rows copied off the device, in chunks the client can map.
+    """Worker side: host memory for rows copied off the device, in chunks the client maps and the worker reuses.
 
     Args:
-        name: Part of each file's name (the collector's), so a leftover file says whose it is.
+        name: Part of each file's name, so a leftover file says whose it is
+            (a worker's: ``rows-<pid>``, which `sweep` understands).
         device_copies: True on a GPU engine: chunks are registered with CUDA
             (page-locked), so a copy into them does not wait for the device.
+        keep: Bytes of idle chunks kept for reuse (default `keep_bytes`).
     """
 
-    def __init__(self, name: str, device_copies: bool) -> None:
+    def __init__(self, name: str, device_copies: bool, keep: int | None = None) -> None:
         self.name = name
         self.device_copies = device_copies
+        self.keep = keep_bytes() if keep is None else keep
         self.chunks: dict[int, _Chunk] = {}
         self.current: int | None = None
         self.files = os.path.isdir(SHARED_MEMORY) and os.access(SHARED_MEMORY, os.W_OK)
         self.made = 0
-        #: Retired files not yet named in a handover (the client unlinks them).
-        self.retired: list[str] = []
+        if self.files:
+            sweep()
 
     def block(self, shape: torch.Size, dtype: torch.dtype, holders: int = 1) -> tuple[torch.Tensor, int, int]:
-        """A fresh ``[shape]`` host tensor to copy rows into; returns it, its chunk id and byte offset.
+        r"""A ``[shape]`` host tensor to copy rows into; returns it, its chunk id and byte offset.
 
         ``holders``: how many pieces of it will be `release`\ d (one per request whose rows it holds).
         """
         size = shape.numel() * dtype.itemsize
         chunk = self.chunks.get(self.current) if self.current is not None else None
-        if chunk is None or chunk.used + size > chunk.data.numel():
-            self._finish_current()
-            self.current, chunk = self._new(max(size, min(LARGEST_CHUNK, FIRST_CHUNK << self.made)))
+        if chunk is None or chunk.used + size > chunk.size:
+            self.current = None
+            self.current = self._reused(size)
+            if self.current is None:
+                self.current = self._new(max(size, min(LARGEST_CHUNK, FIRST_CHUNK << self.made)))
+            chunk = self.chunks[self.current]
         offset = chunk.used
         chunk.used = -(-(offset + size) // ALIGN) * ALIGN
         chunk.live += holders
         return chunk.data[offset : offset + size].view(dtype).view(shape), self.current, offset
 
-    def _new(self, size: int) -> tuple[int, _Chunk]:
+    def _idle(self, chunk_id: int, chunk: _Chunk) -> bool:
+        """Nothing the worker owes anyone is in it: not being filled, no rows pending, no handover unread."""
+        return chunk_id != self.current and chunk.live == 0 and not chunk.waiting
+
+    def _reused(self, size: int) -> int | None:
+        """The largest idle chunk of at least ``size`` bytes no client maps any more, emptied; None if none."""
+        fits = [(chunk.size, chunk_id) for chunk_id, chunk in self.chunks.items() if chunk.size >= size and self._idle(chunk_id, chunk)]
+        for _, chunk_id in sorted(fits, reverse=True):
+            chunk = self.chunks[chunk_id]
+            if not chunk.mapped_by_a_client():
+                chunk.used = 0
+                return chunk_id
+        return None
+
+    def _new(self, size: int) -> int:
         chunk_id = self.made
         self.made += 1
         chunk = self._file(size) if self.files else None
         if chunk is None:
             self.files = False  # no room: process memory from here on
             data = torch.empty(size, dtype=torch.uint8, pin_memory=self.device_copies)
-            chunk = _Chunk(None, data, pinned=False)
+            chunk = _Chunk(None, None, data, pinned=False)
         self.chunks[chunk_id] = chunk
-        return chunk_id, chunk
+        return chunk_id
 
     def _file(self, size: int) -> _Chunk | None:
         room = os.statvfs(SHARED_MEMORY)
@@ -113,130 +178,159 @@ class Arena:
             os.close(handle)
             os.unlink(path)
             return None
-        os.close(handle)
         data = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
         pinned = False
         if self.device_copies:
             pinned = torch.cuda.cudart().cudaHostRegister(data.data_ptr(), size, 0) == 0
-        return _Chunk(path, data, pinned)
-
-    def _finish_current(self) -> None:
-        current, self.current = self.current, None
-        if current is not None:
-            self._retire_if_done(current)
+        return _Chunk(path, handle, data, pinned)
 
     def release(self, pieces: list[Piece]) -> None:
-        """These blocks' rows are handed over or dropped; chunks left with none are retired."""
+        """These blocks' rows are handed over or dropped."""
         for chunk_id, _, _ in pieces:
             self.chunks[chunk_id].live -= 1
-        for chunk_id in {chunk_id for chunk_id, _, _ in pieces}:
-            self._retire_if_done(chunk_id)
 
-    def _retire_if_done(self, chunk_id: int) -> None:
-        chunk = self.chunks.get(chunk_id)
-        if chunk is None or chunk.live > 0 or chunk_id == self.current:
-            return
-        del self.chunks[chunk_id]
-        self._let_go(chunk)
-        if chunk.path is not None:
-            self.retired.append(chunk.path)
-
-    def _let_go(self, chunk: _Chunk) -> None:
-        if chunk.pinned:
-            torch.cuda.cudart().cudaHostUnregister(chunk.data.data_ptr())
-        chunk.data = None  # the worker's mapping goes with its last view
-
-    def handover(self, pieces: dict[str, list[list[Piece]]], rows: dict[str, tuple[list[int], str]]) -> dict[str, Any]:
+    def handover(
+        self, pieces: dict[str, list[list[Piece]]], rows: dict[str, tuple[list[int], str]], owner: str
+    ) -> dict[str, Any]:
         """What the client needs to map ``pieces`` (value key -> per request, its pieces).
 
-        Call after the copies into these pieces are complete. Returns plain
-        data (vLLM's RPC encoding sends it as is): ``{"rows": {key: (row
-        shape, dtype name)}, "pieces": {key: [[(file or None, byte offset,
-        rows), ...] per request]}, "inline": bytes or None, "retired": [files]}``.
-        Pieces in process memory are copied into ``inline`` (a ``torch.save``
-        of ``{key: tensor}``; their byte offset is then a row offset into it).
+        Call after the copies into these pieces are complete. ``owner`` names
+        the caller (a collector); the chunks named here are not reused before
+        ``owner`` calls `acknowledge`. Returns plain data (vLLM's RPC encoding
+        sends it as is): ``{"rows": {key: (row shape, dtype name)}, "pieces":
+        {key: [[(file or None, byte offset, rows), ...] per request]},
+        "inline": bytes or None}``. Pieces in process memory are copied into
+        ``inline`` (a ``torch.save`` of ``{key: tensor}``; their byte offset is
+        then a row offset into it).
         """
         inline: dict[str, list[torch.Tensor]] = {}
         sent: dict[str, list[list[tuple[str | None, int, int]]]] = {}
         for key, requests in pieces.items():
             shape, dtype = rows[key]
-            row_bytes = torch.Size(shape).numel() * getattr(torch, dtype).itemsize
+            each = row_bytes(shape, dtype)
             sent[key] = []
             for request in requests:
                 where = []
                 for chunk_id, offset, count in request:
                     chunk = self.chunks[chunk_id]
                     if chunk.path is not None:
+                        chunk.waiting.add(owner)
                         where.append((chunk.path, offset, count))
                         continue
                     done = sum(len(part) for part in inline.get(key, ()))
-                    block = chunk.data[offset : offset + count * row_bytes].view(getattr(torch, dtype))
+                    block = chunk.data[offset : offset + count * each].view(getattr(torch, dtype))
                     inline.setdefault(key, []).append(block.view(count, *shape).clone())
                     where.append((None, done, count))
                 sent[key].append(where)
+                self.release(request)
         packed = None
         if inline:
             buffer = io.BytesIO()
             torch.save({key: torch.cat(parts) for key, parts in inline.items()}, buffer)
             packed = buffer.getvalue()
-        for requests in pieces.values():
-            for request in requests:
-                self.release(request)
-        retired, self.retired = self.retired, []
-        return {"rows": rows, "pieces": sent, "inline": packed, "retired": retired}
+        return {"rows": rows, "pieces": sent, "inline": packed}
+
+    def acknowledge(self, owner: str) -> None:
+        """``owner`` has mapped every handover it was given (it calls again, or stops): its chunks may be reused.
+
+        Idle chunks above `keep` are given up then, those a client still maps first (the worker could not
+        reuse them until the client lets go), then the smallest.
+        """
+        for chunk in self.chunks.values():
+            chunk.waiting.discard(owner)
+        idle = [(chunk_id, chunk) for chunk_id, chunk in self.chunks.items() if self._idle(chunk_id, chunk)]
+        excess = sum(chunk.size for _, chunk in idle) - self.keep
+        if excess <= 0:
+            return
+        for chunk_id, chunk in sorted(idle, key=lambda item: (not item[1].mapped_by_a_client(), item[1].size)):
+            if excess <= 0:
+                break
+            excess -= chunk.size
+            self._give_up(self.chunks.pop(chunk_id))
+
+    def _give_up(self, chunk: _Chunk) -> None:
+        if chunk.pinned:
+            torch.cuda.cudart().cudaHostUnregister(chunk.data.data_ptr())
+        chunk.data = None  # the worker's mapping goes with its last view
+        if chunk.path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(chunk.path)  # a client's mapping keeps the memory until its tensors go
+            os.close(chunk.fd)
 
     def close(self) -> None:
-        """Let every chunk go and remove the files no client was told of."""
+        """Give every chunk up and remove its file (a client's mappings keep what they view)."""
         for chunk in self.chunks.values():
-            self._let_go(chunk)
-            if chunk.path is not None:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(chunk.path)
+            self._give_up(chunk)
         self.chunks.clear()
         self.current = None
-        for path in self.retired:
+
+
+def sweep() -> list[str]:
+    """Remove workers' files whose process has exited (an engine killed before it cleaned up); returns them."""
+    removed = []
+    with contextlib.suppress(OSError):
+        for entry in os.listdir(SHARED_MEMORY):
+            match = _WORKER_FILE.match(entry)
+            if match is None or _alive(int(match.group(1))):
+                continue
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-        self.retired.clear()
+                os.unlink(os.path.join(SHARED_MEMORY, entry))
+                removed.append(entry)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
+
+
+def _mapped(path: str) -> torch.Tensor:
+    """The file's bytes, mapped privately, with a shared lock held for as long as any view of them lives.
+
+    The mapping keeps its own duplicate of the descriptor, and with it the
+    lock; both go when the last tensor viewing the mapping is freed, and the
+    worker may reuse the chunk then (`_Chunk.mapped_by_a_client`).
+    """
+    try:
+        handle = os.open(path, os.O_RDWR)
+    except FileNotFoundError as error:
+        raise RuntimeError(f"the engine left its values at {path}, which this host does not have") from error
+    try:
+        fcntl.flock(handle, fcntl.LOCK_SH)
+        size = os.fstat(handle).st_size
+        view = mmap.mmap(handle, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(handle)
+    return torch.frombuffer(view, dtype=torch.uint8)
 
 
 def received(handed: dict[str, Any]) -> dict[str, list[torch.Tensor]]:
     """Client side: each request's rows (``[rows, *row shape]``), per value key, from `Arena.handover`.
-
-    Files are mapped privately, then the retired ones unlinked.
 
     Raises:
         RuntimeError: a file is not on this host (an engine on another machine).
     """
     inline = torch.load(io.BytesIO(handed["inline"]), weights_only=True) if handed["inline"] else {}
     maps: dict[str, torch.Tensor] = {}
-
-    def mapped(path: str) -> torch.Tensor:
-        if path not in maps:
-            try:
-                maps[path] = torch.from_file(path, shared=False, size=os.path.getsize(path), dtype=torch.uint8)
-            except (FileNotFoundError, RuntimeError) as error:
-                raise RuntimeError(f"the engine left its values at {path}, which this host does not have") from error
-        return maps[path]
-
-    try:
-        out: dict[str, list[torch.Tensor]] = {}
-        for key, requests in handed["pieces"].items():
-            shape, dtype = handed["rows"][key]
-            dtype = getattr(torch, dtype)
-            row_bytes = torch.Size(shape).numel() * dtype.itemsize
-            out[key] = []
-            for where in requests:
-                parts = []
-                for path, offset, count in where:
-                    if path is None:
-                        parts.append(inline[key][offset : offset + count])
-                    else:
-                        block = mapped(path)[offset : offset + count * row_bytes]
-                        parts.append(block.view(dtype).view(count, *shape))
-                out[key].append(parts[0] if len(parts) == 1 else torch.cat(parts))
-        return out
-    finally:
-        for path in handed["retired"]:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+    out: dict[str, list[torch.Tensor]] = {}
+    for key, requests in handed["pieces"].items():
+        shape, dtype = handed["rows"][key]
+        each = row_bytes(shape, dtype)
+        dtype = getattr(torch, dtype)
+        out[key] = []
+        for where in requests:
+            parts = []
+            for path, offset, count in where:
+                if path is None:
+                    parts.append(inline[key][offset : offset + count])
+                    continue
+                if path not in maps:
+                    maps[path] = _mapped(path)
+                parts.append(maps[path][offset : offset + count * each].view(dtype).view(count, *shape))
+            out[key].append(parts[0] if len(parts) == 1 else torch.cat(parts))
+    return out

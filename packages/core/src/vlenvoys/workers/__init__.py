@@ -167,6 +167,12 @@ class StandardWorker:
 
         return collector.count(self)
 
+    def shutdown(self) -> None:
+        from .. import collector
+
+        collector.close_arena(self)  # its files in shared memory go with the worker
+        super().shutdown()
+
 
 class StandardRunner:
     """Mixin for nnsight's runner: rebuilds its envoy tree with the model's family declarations,
