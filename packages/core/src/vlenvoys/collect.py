@@ -74,8 +74,10 @@ def collect(
         layers: A block index or several; negative indices count from the end.
         batch_size: How many requests are in flight at once; the engine
             batches those into its steps as it would a plain ``generate``.
-            More than one step takes keeps the engine busy while finished
-            requests' values come over (measured on an H200).
+            On the fast path the values of every ``batch_size`` finished
+            requests are taken from the engine at once. More than one step
+            takes keeps the engine busy while finished requests' values come
+            over (measured on an H200).
         progress: Called with the number of prompts finished after each
             engine step that finished some (``tqdm.update`` fits).
 
@@ -151,7 +153,9 @@ def _batched(model: Any, prompts: list, reads: list[Read], batch_size: int, prog
         return values
 
     try:
-        return _run(model, prompts, _params({collector.KEY: name}), batch_size, progress, fetch)
+        # Taken in batches: a take waits for the engine's next step, and the client refills the engine
+        # only between takes (measured on an H200: a take per step held collect to 0.6 of plain prefill).
+        return _run(model, prompts, _params({collector.KEY: name}), batch_size, progress, fetch, fetch_every=batch_size)
     finally:
         _clean_up(model, lambda: engine.collective_rpc("vlenvoys_collect_stop", args=(name,)), quietly=True)
 
@@ -231,10 +235,12 @@ def _run(
     batch_size: int,
     progress: Callable[[int], Any] | None,
     fetch: Callable[[list], list[dict[str, torch.Tensor]]],
+    fetch_every: int = 1,
 ) -> list[dict[str, torch.Tensor]]:
     """Each prompt's values, driving the engine with ``batch_size`` requests in flight.
 
-    ``fetch`` gets each step's finished ``(output, prompt index)`` pairs and returns their values.
+    ``fetch`` gets finished ``(output, prompt index)`` pairs and returns their values: once
+    ``fetch_every`` have finished (or none are left in flight), each engine step's with the default.
     """
     from vllm.exceptions import VLLMClientError
     from vllm.inputs import TokensPrompt
@@ -260,6 +266,7 @@ def _run(
             in_flight[request_id] = following
             following += 1
 
+    pending: list = []  # finished, values not yet fetched
     try:
         submit()
         while in_flight:
@@ -272,9 +279,11 @@ def _run(
                 finished.append((output, in_flight.pop(output.request_id)))
             # Refill first: the engine works on the next step while these values come over.
             submit()
-            if finished:
-                for (_, index), values in zip(finished, fetch(finished), strict=True):
+            pending.extend(finished)
+            if pending and (len(pending) >= fetch_every or not in_flight):
+                for (_, index), values in zip(pending, fetch(pending), strict=True):
                     saved[index] = values
+                pending = []
             if finished and progress is not None:
                 progress(len(finished))
     except BaseException:
