@@ -79,6 +79,8 @@ def test_cli_errors_are_one_line_not_a_traceback():
         ({"taps": ["model.layers.*.output"]}, "does not run nnsight's taps="),
         ({"cuda_graphs": True, "enforce_eager": True}, "drop enforce_eager"),
         ({"cuda_graphs": True, "compilation_config": {"mode": 3}}, "captures the eager forward"),
+        ({"cuda_graphs": True, "compilation_config": {"mode": "VLLM_COMPILE"}}, "got mode 'VLLM_COMPILE'"),
+        ({"cuda_graphs": True, "compilation_config": 3}, "got mode 3"),
     ],
 )
 def test_engines_that_would_serve_short_values_are_refused_before_starting(tmp_path, engine_kwargs, message):

@@ -5,8 +5,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -144,31 +142,68 @@ def test_rows_dropped_unhanded_free_their_chunk(files_only):
 def test_idle_chunks_above_the_bound_are_given_up_mapped_ones_first(files_only):
     name = f"test-{os.getpid()}-keep"
     arena = Arena(name, device_copies=False, keep=2 * 4096)
-    held = one_take(arena, torch.full((3, 8), 5.0))
+    one_take(arena, torch.ones(1, 8))  # the first chunk (4 KiB): idle once filled, and nobody keeps its rows
     fill(arena)
-    one_take(arena, torch.ones(1, 8))  # a second chunk, idle once filled, and free: nobody keeps its rows
+    held = one_take(arena, torch.full((3, 8), 5.0))  # the second (8 KiB): the client keeps these rows
     fill(arena)
+    free, mapped = (arena.chunks[chunk_id].path for chunk_id in sorted(arena.chunks))
     one_take(arena, torch.ones(1, 8))  # a third one is current
-    arena.acknowledge("c")
-    assert len(mine(name)) == 2, "the idle chunk the client maps was given up; the idle free one is kept"
+    arena.acknowledge("c")  # idle: 12 KiB, 4 over the bound
+    assert os.path.exists(free) and not os.path.exists(mapped), "the mapped chunk went first, though it is larger"
     assert torch.equal(held, torch.full((3, 8), 5.0)), "its mapping outlives the file"
     arena.close()
 
 
-def test_sweep_removes_files_of_exited_workers_only(files_only):
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    child.wait()
-    dead = os.path.join(handover.SHARED_MEMORY, f"vlenvoys-rows-{child.pid}-test.rows")
-    living = os.path.join(handover.SHARED_MEMORY, f"vlenvoys-rows-{os.getpid()}-test.rows")
-    for path in (dead, living):
+def test_a_moment_without_room_makes_one_chunk_process_memory_not_every_later_one(files_only, monkeypatch):
+    name = f"test-{os.getpid()}-room"
+    arena = Arena(name, device_copies=False)
+    monkeypatch.setattr(handover, "MARGIN", 1 << 62)  # no room
+    pieces = write_steps(arena, [torch.ones(2, 8)], [[2]])
+    assert arena.chunks[arena.current].path is None and mine(name) == []
+    handed = arena.handover({"v": [pieces[0]]}, {"v": ([8], "float32")}, owner="c")
+    assert handed["inline"] is not None and torch.equal(received(handed)["v"][0], torch.ones(2, 8))
+    monkeypatch.setattr(handover, "MARGIN", 0)
+    fill(arena)
+    arena.acknowledge("c")
+    arena.block(torch.Size([2 * 4096]), torch.uint8)  # larger than the first chunk: a new one
+    assert arena.chunks[arena.current].path is not None and len(mine(name)) == 1
+    arena.close()
+
+
+def test_handovers_of_one_run_share_one_mapping_per_file(files_only):
+    name = f"test-{os.getpid()}-maps"
+    arena = Arena(name, device_copies=False)
+    maps, got = {}, []
+    for value in (1.0, 2.0, 3.0):
+        pieces = write_steps(arena, [torch.full((2, 8), value)], [[2]])
+        got += received(arena.handover({"v": [pieces[0]]}, {"v": ([8], "float32")}, owner="c"), maps)["v"]
+        arena.acknowledge("c")
+    assert len(maps) == 1, "one chunk, mapped once"
+    assert [rows[0, 0].item() for rows in got] == [1.0, 2.0, 3.0], "rows written after the mapping show in it"
+    arena.close()
+
+
+def test_sweep_removes_the_files_of_arenas_whose_lock_is_free_only(files_only):
+    living = Arena(handover.worker_name(), device_copies=False)
+    one_take(living, torch.ones(2, 8))
+    lock = os.path.join(handover.SHARED_MEMORY, f"vlenvoys-{living.name}.lock")
+    dead = handover.worker_name()
+    made = [os.path.join(handover.SHARED_MEMORY, f"vlenvoys-{dead}{suffix}") for suffix in (".lock", "-a.rows", "-b.rows")]
+    orphan = os.path.join(handover.SHARED_MEMORY, f"vlenvoys-{handover.worker_name()}-c.rows")  # no lock file
+    other = os.path.join(handover.SHARED_MEMORY, f"vlenvoys-test-{os.getpid()}-other.rows")  # not a worker's
+    for path in (*made, orphan, other):
         open(path, "wb").close()
     try:
-        assert os.path.basename(dead) in handover.sweep()
-        assert not os.path.exists(dead) and os.path.exists(living)
+        removed = handover.sweep()
+        assert sorted(removed) == sorted(os.path.basename(path) for path in (*made, orphan))
+        assert os.path.exists(other)
+        assert len(mine(living.name)) == 1 and os.path.exists(lock), "the living arena's chunk and lock are left alone"
     finally:
-        for path in (dead, living):
+        living.close()
+        for path in (*made, orphan, other):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+    assert mine(living.name) == [] and not os.path.exists(lock), "close removed its chunk and its lock"
 
 
 def test_a_file_the_host_does_not_have_is_a_clear_error():

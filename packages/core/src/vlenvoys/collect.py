@@ -141,9 +141,13 @@ def _batched(model: Any, prompts: list, reads: list[Read], batch_size: int, prog
     name = collector.new_name()
     engine.collective_rpc("vlenvoys_collect_start", args=(name, reads))
 
+    # One mapping per file for the run (one descriptor each, however many takes name it): nobody writes
+    # into the values before collect returns them.
+    maps: dict = {}
+
     def fetch(finished: list) -> list[dict]:
         (packed, *_) = engine.collective_rpc("vlenvoys_collect_take", args=(name, [output.request_id for output, _ in finished]))
-        taken = collector.split(model, reads, collector.received(packed))
+        taken = collector.split(model, reads, collector.received(packed, maps))
         values = []
         for output, index in finished:
             got = taken[output.request_id]

@@ -23,7 +23,6 @@ short.
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -227,14 +226,18 @@ def _arena(runner: Any) -> Arena:
     """The worker's one `Arena`, kept for its life: its chunks are reused across collections."""
     if getattr(runner, "vlenvoys_arena", None) is None:
         device_copies = torch.device(runner.device).type == "cuda"
-        runner.vlenvoys_arena = Arena(f"rows-{os.getpid()}", device_copies=device_copies)
+        runner.vlenvoys_arena = Arena(handover.worker_name(), device_copies=device_copies)
     return runner.vlenvoys_arena
 
 
 def close_arena(worker: Any) -> None:
-    """At the worker's shutdown: give every chunk up and remove the files."""
+    """At the worker's shutdown: stop every collector, give every chunk up and remove the files."""
+    for name in list(_collectors(worker)):
+        stop(worker, name)
     arena = getattr(worker.model_runner, "vlenvoys_arena", None)
     if arena is not None:
+        if arena.device_copies:
+            torch.cuda.current_stream().synchronize()  # no copy may still be writing into a chunk let go
         arena.close()
         worker.model_runner.vlenvoys_arena = None
 
@@ -257,10 +260,10 @@ def take(worker: Any, name: str, requests: list[str]) -> dict[str, Any]:
     return _collectors(worker)[name].take(requests)
 
 
-def received(taken: dict[str, Any]) -> dict[str, Any]:
+def received(taken: dict[str, Any], maps: dict | None = None) -> dict[str, Any]:
     """Client side: `take`'s answer with each request's rows as tensors (``{"order", "missing", "values":
-    {key: [rows of each id in order]}}``; see `vlenvoys.handover.received` for the errors)."""
-    return {"order": taken["order"], "missing": taken["missing"], "values": handover.received(taken)}
+    {key: [rows of each id in order]}}``; ``maps`` and the errors: `vlenvoys.handover.received`)."""
+    return {"order": taken["order"], "missing": taken["missing"], "values": handover.received(taken, maps)}
 
 
 def split(model: Any, reads: Sequence[Read], taken: dict) -> dict[str, dict[str, torch.Tensor] | str]:

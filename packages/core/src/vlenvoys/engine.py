@@ -539,13 +539,27 @@ def _graph_defaults(engine_kwargs: dict) -> None:
         config = {"mode": CompilationMode.NONE, "cudagraph_mode": "FULL_DECODE_ONLY", **config}
         mode = config["mode"]
     else:
-        mode = config.mode if isinstance(config, CompilationConfig) else None
-    if mode is None or CompilationMode(mode) != CompilationMode.NONE:
+        mode = config.mode if isinstance(config, CompilationConfig) else config  # vLLM also takes a mode alone
+    if _compilation_mode(mode) != CompilationMode.NONE:
         raise ValueError(
             f"cuda_graphs=True captures the eager forward (compilation mode NONE), got mode {mode!r}: "
             "torch.compile would trace away the Python hooks that steer and read the values"
         )
     engine_kwargs["compilation_config"] = config
+
+
+def _compilation_mode(mode: Any) -> Any:
+    """vLLM's ``CompilationMode`` named by ``mode`` (a member, its number, or its name as a string); None if none."""
+    from vllm.config import CompilationMode
+
+    if isinstance(mode, str):
+        if mode.upper() in CompilationMode.__members__:
+            return CompilationMode[mode.upper()]
+        mode = int(mode) if mode.isdigit() else mode
+    try:
+        return CompilationMode(mode)
+    except ValueError:
+        return None
 
 
 def _engine_defaults(model: str, engine_kwargs: dict) -> None:

@@ -24,9 +24,11 @@ reused only when nobody can still read it:
 
 The client maps privately (copy-on-write): a user writing into a returned
 tensor changes nothing else. Idle chunks above `keep_bytes` are given up
-(unlinked; a client's mapping outlives the name). Files carry the worker's
-process id; `sweep` removes those of processes that have exited (an engine
-killed before its worker could clean up).
+(unlinked; a client's mapping outlives the name). A worker's arena holds an
+exclusive lock on a file of its own for its life; `sweep` removes the files of
+arenas whose lock can be taken (their worker exited, or was killed before it
+could clean up). A lock, not a process id: containers that share
+``/dev/shm`` do not share process ids.
 
 Where shared memory has no room (or is not there), chunks are process memory
 (pinned on a GPU) and the rows a handover needs are sent as bytes instead.
@@ -41,6 +43,7 @@ import mmap
 import os
 import re
 import tempfile
+import uuid
 from typing import Any
 
 import torch
@@ -54,8 +57,8 @@ LARGEST_CHUNK = 1 << 30
 MARGIN = 256 << 20
 #: Every block of rows starts at a multiple of this many bytes (any dtype's alignment).
 ALIGN = 64
-#: A worker's files: ``vlenvoys-rows-<pid>-...`` (`sweep` reads the pid back).
-_WORKER_FILE = re.compile(r"^vlenvoys-rows-(\d+)-")
+#: A worker arena's lock file, ``vlenvoys-rows-<token>.lock``; its chunks are ``vlenvoys-rows-<token>-*.rows``.
+_LOCK_FILE = re.compile(r"^vlenvoys-(rows-[0-9a-f]+)\.lock$")
 
 
 def keep_bytes() -> int:
@@ -106,7 +109,7 @@ class Arena:
 
     Args:
         name: Part of each file's name, so a leftover file says whose it is
-            (a worker's: ``rows-<pid>``, which `sweep` understands).
+            (a worker's: ``rows-<hex token>``, which `sweep` understands; see `worker_name`).
         device_copies: True on a GPU engine: chunks are registered with CUDA
             (page-locked), so a copy into them does not wait for the device.
         keep: Bytes of idle chunks kept for reuse (default `keep_bytes`).
@@ -120,8 +123,14 @@ class Arena:
         self.current: int | None = None
         self.files = os.path.isdir(SHARED_MEMORY) and os.access(SHARED_MEMORY, os.W_OK)
         self.made = 0
+        self.lock: int | None = None  # held for the arena's life: `sweep` leaves its files alone
         if self.files:
             sweep()
+            if _LOCK_FILE.match(f"vlenvoys-{name}.lock"):
+                # Locked before it is given its name: a sweep never sees it unlocked.
+                self.lock, path = tempfile.mkstemp(prefix="vlenvoys-lock-", dir=SHARED_MEMORY)
+                fcntl.flock(self.lock, fcntl.LOCK_EX)
+                os.rename(path, os.path.join(SHARED_MEMORY, f"vlenvoys-{name}.lock"))
 
     def block(self, shape: torch.Size, dtype: torch.dtype, holders: int = 1) -> tuple[torch.Tensor, int, int]:
         r"""A ``[shape]`` host tensor to copy rows into; returns it, its chunk id and byte offset.
@@ -159,8 +168,7 @@ class Arena:
         chunk_id = self.made
         self.made += 1
         chunk = self._file(size) if self.files else None
-        if chunk is None:
-            self.files = False  # no room: process memory from here on
+        if chunk is None:  # no room in shared memory now: this chunk is process memory (its rows go as bytes)
             data = torch.empty(size, dtype=torch.uint8, pin_memory=self.device_copies)
             chunk = _Chunk(None, None, data, pinned=False)
         self.chunks[chunk_id] = chunk
@@ -205,29 +213,33 @@ class Arena:
         """
         inline: dict[str, list[torch.Tensor]] = {}
         sent: dict[str, list[list[tuple[str | None, int, int]]]] = {}
-        for key, requests in pieces.items():
-            shape, dtype = rows[key]
-            each = row_bytes(shape, dtype)
-            sent[key] = []
-            for request in requests:
-                where = []
-                for chunk_id, offset, count in request:
-                    chunk = self.chunks[chunk_id]
-                    if chunk.path is not None:
-                        chunk.waiting.add(owner)
-                        where.append((chunk.path, offset, count))
-                        continue
-                    done = sum(len(part) for part in inline.get(key, ()))
-                    block = chunk.data[offset : offset + count * each].view(getattr(torch, dtype))
-                    inline.setdefault(key, []).append(block.view(count, *shape).clone())
-                    where.append((None, done, count))
-                sent[key].append(where)
-                self.release(request)
-        packed = None
-        if inline:
-            buffer = io.BytesIO()
-            torch.save({key: torch.cat(parts) for key, parts in inline.items()}, buffer)
-            packed = buffer.getvalue()
+        try:
+            for key, requests in pieces.items():
+                shape, dtype = rows[key]
+                each = row_bytes(shape, dtype)
+                sent[key] = []
+                for request in requests:
+                    where = []
+                    for chunk_id, offset, count in request:
+                        chunk = self.chunks[chunk_id]
+                        if chunk.path is not None:
+                            chunk.waiting.add(owner)
+                            where.append((chunk.path, offset, count))
+                            continue
+                        done = sum(len(part) for part in inline.get(key, ()))
+                        block = chunk.data[offset : offset + count * each].view(getattr(torch, dtype))
+                        inline.setdefault(key, []).append(block.view(count, *shape).clone())
+                        where.append((None, done, count))
+                    sent[key].append(where)
+            packed = None
+            if inline:
+                buffer = io.BytesIO()
+                torch.save({key: torch.cat(parts) for key, parts in inline.items()}, buffer)
+                packed = buffer.getvalue()
+        finally:  # handed over or failed on the way (out of memory packing bytes): the worker owes these rows no more
+            for requests in pieces.values():
+                for request in requests:
+                    self.release(request)
         return {"rows": rows, "pieces": sent, "inline": packed}
 
     def acknowledge(self, owner: str) -> None:
@@ -263,30 +275,65 @@ class Arena:
             self._give_up(chunk)
         self.chunks.clear()
         self.current = None
+        if self.lock is not None:  # after the chunks: a lock file gone with chunk files left would be swept
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(SHARED_MEMORY, f"vlenvoys-{self.name}.lock"))
+            os.close(self.lock)
+            self.lock = None
+
+
+def worker_name() -> str:
+    """A name for a worker's arena: ``rows-<hex token>``, unique on the host."""
+    return f"rows-{uuid.uuid4().hex[:16]}"
 
 
 def sweep() -> list[str]:
-    """Remove workers' files whose process has exited (an engine killed before it cleaned up); returns them."""
+    """Remove the files of worker arenas whose lock nobody holds (their worker has exited); returns them.
+
+    Chunk files of a worker arena that has no lock file are left by an arena
+    that was removing its files when it died, and go too.
+    """
+    try:
+        entries = os.listdir(SHARED_MEMORY)
+    except OSError:
+        return []
+    locked = {}
+    for entry in entries:
+        match = _LOCK_FILE.match(entry)
+        if match is not None:
+            locked[match.group(1)] = entry
     removed = []
-    with contextlib.suppress(OSError):
-        for entry in os.listdir(SHARED_MEMORY):
-            match = _WORKER_FILE.match(entry)
-            if match is None or _alive(int(match.group(1))):
-                continue
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(SHARED_MEMORY, entry))
-                removed.append(entry)
+    for owner, entry in locked.items():
+        path = os.path.join(SHARED_MEMORY, entry)
+        try:
+            handle = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(handle)
+            continue  # its worker is alive
+        try:
+            removed += _remove([name for name in entries if name.startswith(f"vlenvoys-{owner}-")] + [entry])
+        finally:
+            os.close(handle)
+    worker_chunk = re.compile(r"^vlenvoys-(rows-[0-9a-f]+)-.*\.rows$")
+    removed += _remove(
+        [name for name in entries if (match := worker_chunk.match(name)) and match.group(1) not in locked]
+    )
     return removed
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process
-    return True
+def _remove(entries: list[str]) -> list[str]:
+    removed = []
+    for entry in entries:
+        try:
+            os.unlink(os.path.join(SHARED_MEMORY, entry))
+        except OSError:  # gone already, or someone else's
+            continue
+        removed.append(entry)
+    return removed
 
 
 def _mapped(path: str) -> torch.Tensor:
@@ -297,7 +344,7 @@ def _mapped(path: str) -> torch.Tensor:
     worker may reuse the chunk then (`_Chunk.mapped_by_a_client`).
     """
     try:
-        handle = os.open(path, os.O_RDWR)
+        handle = os.open(path, os.O_RDONLY)
     except FileNotFoundError as error:
         raise RuntimeError(f"the engine left its values at {path}, which this host does not have") from error
     try:
@@ -309,14 +356,19 @@ def _mapped(path: str) -> torch.Tensor:
     return torch.frombuffer(view, dtype=torch.uint8)
 
 
-def received(handed: dict[str, Any]) -> dict[str, list[torch.Tensor]]:
+def received(handed: dict[str, Any], maps: dict[str, torch.Tensor] | None = None) -> dict[str, list[torch.Tensor]]:
     """Client side: each request's rows (``[rows, *row shape]``), per value key, from `Arena.handover`.
+
+    ``maps`` (path -> mapping) lets several handovers share one mapping of a
+    file, and one descriptor: pass the same dict for the handovers of one run
+    whose tensors nobody writes into before the run ends (a write would copy
+    its page, and rows handed over later in that page would not show).
 
     Raises:
         RuntimeError: a file is not on this host (an engine on another machine).
     """
     inline = torch.load(io.BytesIO(handed["inline"]), weights_only=True) if handed["inline"] else {}
-    maps: dict[str, torch.Tensor] = {}
+    maps = {} if maps is None else maps
     out: dict[str, list[torch.Tensor]] = {}
     for key, requests in handed["pieces"].items():
         shape, dtype = handed["rows"][key]

@@ -398,7 +398,8 @@ class Steerer:
             return  # the device's plan is all zeros already
         total = spans[-1][1] + spans[-1][2] if spans else 0
         width = max(total, self.written)
-        plan = self._staging()[:width].numpy()
+        staged = self._staging()[:width]
+        plan = staged.numpy()
         plan[:] = 0
         whole = []  # (first row, rows, slot) of requests steered at every position
         for start, count, request in steered:
@@ -417,7 +418,7 @@ class Steerer:
             rows = np.arange(counts.sum()) + np.repeat(starts - (np.cumsum(counts) - counts), counts)
             owners = np.repeat(slots, counts)
             plan[rows] = self.mask[owners] * owners[:, None]
-        self.index[:width].copy_(self.staging[self.turn][:width], non_blocking=True)
+        self.index[:width].copy_(staged, non_blocking=True)
         if self.copied[self.turn] is not None:
             self.copied[self.turn].record()
         self.written = total if steered else 0
