@@ -44,3 +44,33 @@ def test_merged_writes_into_every_scope_and_leaves_names_saved_once():
     shared = merged(mediators, saves)
     assert shared == {"rows": [[1], [2]]}
     assert all(mediator.lcls["rows"] == [[1], [2]] for mediator in mediators)
+
+
+def test_saves_travel_as_their_own_bytes_and_come_back_equal():
+    import pickle
+
+    from vlenvoys.workers import dumps_saves
+
+    whole = torch.randn(6, 8).to(torch.bfloat16)
+    saves = {
+        "rows": whole[2:4],  # a view: only its own elements travel
+        "columns": whole.t(),
+        "twice": [whole, whole],
+        "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0, 4),
+        "mask": torch.tensor([True, False]),
+        "ids": torch.arange(5),
+        "conjugate": torch.randn(3, dtype=torch.complex64).conj(),
+        "parameter": torch.nn.Parameter(torch.ones(2)),  # not a plain tensor: nnsight's way
+    }
+    back = pickle.loads(dumps_saves(saves))
+    for name, sent in saves.items():
+        if name == "twice":
+            assert back[name][0] is back[name][1], "one object saved twice stays one object"
+            assert torch.equal(back[name][0], whole)
+            continue
+        got = back[name]
+        assert type(got) is type(sent) and got.dtype == sent.dtype and got.shape == sent.shape, name
+        assert torch.equal(got.detach(), sent.detach().resolve_conj()), name
+    assert len(pickle.dumps(whole[2:4].clone())) > len(dumps_saves(whole[2:4])) > whole[2:4].numel() * 2
+    back["rows"].add_(1)  # a tensor the client can write to

@@ -27,6 +27,9 @@ __all__ = ["StandardizedVLLM", "load", "on_transformers_backend"]
 #: fraction of a NUMA node is more than a small machine has free.
 CPU_KV_CACHE_BYTES = 1 << 30
 
+#: Persistent-id prefix of an envoy sent to the worker by reference (`StandardizedVLLM._attach_mediators`).
+_ENVOY_ID = "vlenvoys.Envoy:"
+
 
 class StandardizedVLLM(VLLM):
     """An nnsight ``VLLM`` model whose modules carry the standard names and values.
@@ -75,6 +78,22 @@ class StandardizedVLLM(VLLM):
         if self.cuda_graphs:
             raise NotImplementedError("cuda_graphs=True serves vlenvoys.generate, which drives the synchronous engine")
         return super()._load_async(repo_id, **kwargs)
+
+    # A block's captured `model` used to travel by value: every request pickled the whole envoy tree (a few
+    # hundred envoys, their classes and state), which cost more than the GPU's forward of the request. Each
+    # envoy now travels as its path, and the worker resolves it to its own envoy over the same modules, built
+    # by this class with the same family declarations, as nnsight already does for the modules themselves.
+    def _remoteable_persistent_objects(self) -> dict:
+        objects = super()._remoteable_persistent_objects()
+        for envoy in self.modules():
+            objects[_ENVOY_ID + envoy.path] = envoy
+        return objects
+
+    def _attach_mediators(self, params: list, **kwargs: Any) -> list:
+        # Tagged per trace, not once: envoys made since (an added module's) are tagged too.
+        for envoy in self.modules():
+            envoy.__dict__["_persistent_id"] = _ENVOY_ID + envoy.path
+        return super()._attach_mediators(params, **kwargs)
 
     def _batch(self, invokes: list[tuple], fn: Any) -> tuple:
         (prompts, params, lora_requests), kwargs = super()._batch(invokes, fn)
