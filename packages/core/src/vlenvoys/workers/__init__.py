@@ -154,7 +154,8 @@ def dumps_saves(value: Any) -> bytes:
 def unpacked(meta: bytes, block: bytearray, entries: list) -> Any:
     """What `dumps_saves` packed: ``meta`` unpickled, each tensor reference resolved from ``block``."""
     host = torch.frombuffer(block, dtype=torch.uint8) if len(block) else torch.empty(0, dtype=torch.uint8)
-    on_device = {device: host.to(device) for *_, device in entries if device != "cpu"}
+    devices = {entry[-1] for entry in entries} - {"cpu"}
+    on_device = {device: host.to(device) for device in devices}  # one copy of the block per device
     tensors = []
     for start, size, dtype, shape, device in entries:
         flat = on_device.get(device, host)[start : start + size]
