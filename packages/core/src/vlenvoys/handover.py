@@ -59,6 +59,8 @@ MARGIN = 256 << 20
 ALIGN = 64
 #: A worker arena's lock file, ``vlenvoys-rows-<token>.lock``; its chunks are ``vlenvoys-rows-<token>-*.rows``.
 _LOCK_FILE = re.compile(r"^vlenvoys-(rows-[0-9a-f]+)\.lock$")
+#: A chunk file of a worker arena (`sweep` removes those whose arena holds no lock file).
+_CHUNK_FILE = re.compile(r"^vlenvoys-(rows-[0-9a-f]+)-.*\.rows$")
 
 
 def keep_bytes() -> int:
@@ -140,7 +142,7 @@ class Arena:
         size = shape.numel() * dtype.itemsize
         chunk = self.chunks.get(self.current) if self.current is not None else None
         if chunk is None or chunk.used + size > chunk.size:
-            self.current = None
+            self.current = None  # the full chunk is no longer current, so `_reused` may pick it
             self.current = self._reused(size)
             if self.current is None:
                 self.current = self._new(max(size, min(LARGEST_CHUNK, FIRST_CHUNK << self.made)))
@@ -318,9 +320,8 @@ def sweep() -> list[str]:
             removed += _remove([name for name in entries if name.startswith(f"vlenvoys-{owner}-")] + [entry])
         finally:
             os.close(handle)
-    worker_chunk = re.compile(r"^vlenvoys-(rows-[0-9a-f]+)-.*\.rows$")
     removed += _remove(
-        [name for name in entries if (match := worker_chunk.match(name)) and match.group(1) not in locked]
+        [name for name in entries if (match := _CHUNK_FILE.match(name)) and match.group(1) not in locked]
     )
     return removed
 
