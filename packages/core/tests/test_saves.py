@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from vlenvoys.saves import _merge, merged
@@ -46,10 +47,15 @@ def test_merged_writes_into_every_scope_and_leaves_names_saved_once():
     assert all(mediator.lcls["rows"] == [[1], [2]] for mediator in mediators)
 
 
-def test_saves_travel_in_one_block_and_come_back_equal():
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+@pytest.mark.parametrize("run_bytes", [256 << 20, 100], ids=["one run", "many runs"])
+def test_saves_travel_in_one_block_and_come_back_equal(monkeypatch, run_bytes):
     import pickle
 
+    from vlenvoys import workers
     from vlenvoys.workers import dumps_saves
+
+    monkeypatch.setattr(workers, "COPY_BYTES", run_bytes)  # the client copies a device's tensors in runs this long
 
     whole = torch.randn(6, 8).to(torch.bfloat16)
     saves = {
@@ -62,6 +68,9 @@ def test_saves_travel_in_one_block_and_come_back_equal():
         "ids": torch.arange(5),
         "conjugate": torch.randn(3, dtype=torch.complex64).conj(),
         "parameter": torch.nn.Parameter(torch.ones(2)),  # not a plain tensor: nnsight's way
+        "expanded": torch.zeros(1).expand(1000),  # travels small, nnsight's way
+        "nested": torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+        "numbers": [0.5] * 1000,
     }
     back = pickle.loads(dumps_saves(saves))
     for name, sent in saves.items():
@@ -70,8 +79,15 @@ def test_saves_travel_in_one_block_and_come_back_equal():
             assert torch.equal(back[name][0], whole)
             continue
         got = back[name]
+        if name == "numbers":
+            assert got == sent
+            continue
+        if name == "nested":
+            assert got.is_nested and all(torch.equal(a, b) for a, b in zip(got.unbind(), sent.unbind()))
+            continue
         assert type(got) is type(sent) and got.dtype == sent.dtype and got.shape == sent.shape, name
         assert torch.equal(got.detach(), sent.detach().resolve_conj()), name
     assert whole[2:4].numel() * 2 < len(dumps_saves(whole[2:4])) < len(pickle.dumps(whole[2:4].clone()))
     assert back["rows"].untyped_storage().nbytes() == 2 * 8 * 2, "each tensor its own storage"
+    assert len(dumps_saves(torch.zeros(1).expand(100_000))) < 2000
     back["rows"].add_(1)  # a tensor the client can write to

@@ -317,3 +317,22 @@ def test_containers_saved_above_the_invokes_hold_every_invokes_entries(subject):
         want = expected["values"]["layer_output"][0][0, -1]
         assert close(subject, "saved above the invokes: layer_output", rows[number][0].cpu(), want)
         assert close(subject, "saved above the invokes: logits", slots[number].cpu(), expected["logits"])
+
+
+@on_tiny_llama
+def test_envoys_travel_by_path_unless_the_client_gave_them_something_of_its_own(subject):
+    """A trace's requests name the worker's envoys; an attribute set on a client envoy makes them travel whole."""
+    model, prompt = subject.model, subject.prompts[0]
+    assert model._travels_by_path()
+    with model.trace(prompt, temperature=0.0, max_tokens=1):
+        plain = model.layers[1].layer_output.save()
+    assert not any("_persistent_id" in envoy.__dict__ for envoy in model.modules()), "the tags are the trace's only"
+    model.layers[1].scale = 3.0  # only the client's envoy has it
+    try:
+        assert not model._travels_by_path()
+        with model.trace(prompt, temperature=0.0, max_tokens=1):
+            scaled = (model.layers[1].layer_output * model.layers[1].scale).save()
+    finally:
+        del model.layers[1].scale
+    assert model._travels_by_path()
+    assert torch.equal(scaled.cpu(), plain.cpu() * 3.0)

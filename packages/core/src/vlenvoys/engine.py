@@ -45,11 +45,16 @@ class StandardizedVLLM(VLLM):
         self, *args: Any, architecture: Architecture | None = None, cuda_graphs: bool = False, **kwargs: Any
     ) -> None:
         self.cuda_graphs = cuda_graphs  # read by _load_sync, which the constructor reaches
+        # The worker builds its tree from the family's declarations alone (`vlenvoys.workers`).
+        users_own = kwargs.get("envoys") is not None or kwargs.get("rename") is not None
+        self._as_the_worker_builds = architecture is not None and not users_own
         if architecture is not None:
             kwargs["envoys"] = {**(kwargs.get("envoys") or parallel_envoys()), **architecture.envoys()}
             kwargs["rename"] = {**architecture.rename, **(kwargs.get("rename") or {})}
         self.architecture = architecture
+        self._built_keys: dict[str, frozenset] = {}
         super().__init__(*args, **kwargs)
+        self._built_keys.update((envoy.path, frozenset(envoy.__dict__)) for envoy in self.modules())
 
     def _load_meta(self, repo_id: str, **kwargs: Any) -> Any:
         with _meta_build():
@@ -83,17 +88,31 @@ class StandardizedVLLM(VLLM):
     # hundred envoys, their classes and state), which cost more than the GPU's forward of the request. Each
     # envoy now travels as its path, and the worker resolves it to its own envoy over the same modules, built
     # by this class with the same family declarations, as nnsight already does for the modules themselves.
+    # Only while the trees are alike: a tree built with the user's own `rename=` or `envoys=`, or an envoy
+    # given an attribute since it was built (`model.layers[0].vector = v`), still travels by value.
     def _remoteable_persistent_objects(self) -> dict:
         objects = super()._remoteable_persistent_objects()
         for envoy in self.modules():
             objects[_ENVOY_ID + envoy.path] = envoy
         return objects
 
+    def _travels_by_path(self) -> bool:
+        """Whether a trace's requests carry this model's envoys as their paths (see above), not pickled."""
+        return self._as_the_worker_builds and all(
+            frozenset(envoy.__dict__) <= self._built_keys.get(envoy.path, frozenset()) for envoy in self.modules()
+        )
+
     def _attach_mediators(self, params: list, **kwargs: Any) -> list:
-        # Tagged per trace, not once: envoys made since (an added module's) are tagged too.
-        for envoy in self.modules():
+        if not self._travels_by_path():
+            return super()._attach_mediators(params, **kwargs)
+        envoys = list(self.modules())
+        for envoy in envoys:
             envoy.__dict__["_persistent_id"] = _ENVOY_ID + envoy.path
-        return super()._attach_mediators(params, **kwargs)
+        try:
+            return super()._attach_mediators(params, **kwargs)
+        finally:  # only these requests' payloads: an edit sent to a server, a copy, travel as before
+            for envoy in envoys:
+                envoy.__dict__.pop("_persistent_id", None)
 
     def _batch(self, invokes: list[tuple], fn: Any) -> tuple:
         (prompts, params, lora_requests), kwargs = super()._batch(invokes, fn)
@@ -543,6 +562,7 @@ def load(model: str | os.PathLike | None = None, *, cuda_graphs: bool = False, *
             model, dispatch=True, architecture=architecture, cuda_graphs=bool(cuda_graphs), **engine_kwargs
         )
     loaded.family, loaded.architecture_name = installed, name
+    loaded._built_keys[loaded.path] = frozenset(loaded.__dict__)  # the worker's has them too (`_travels_by_path`)
     return loaded
 
 

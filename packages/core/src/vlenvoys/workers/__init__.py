@@ -123,30 +123,36 @@ def dumps_saves(value: Any) -> bytes:
     synchronous copy off the device, and loading it a ``torch.load`` and a copy
     back: on an H200 a trace of 64 requests with 3 stream reads each spent more
     time there than in the forward. Here each dense tensor is a reference into
-    one host block, filled by asynchronous copies and one wait (only a view's
-    own elements, as nnsight's compact pickler does). `unpacked` rebuilds each
-    tensor on the device it was saved on, with one copy of the block per
-    device. Other tensors (a subclass, sparse, quantized, with gradients) and
-    everything else go nnsight's way; an object saved twice is still one.
+    one host block, filled by queued copies and one wait per device (only a
+    view's own elements, as nnsight's compact pickler does). `unpacked`
+    rebuilds each tensor on the device it was saved on, contiguous, in its own
+    storage. Other tensors (a subclass, sparse, nested, quantized, expanded,
+    with gradients) and everything else go nnsight's way; an object saved
+    twice is still one.
     """
     tensors: list[torch.Tensor] = []
     meta = io.BytesIO()
     _SavesPickler(meta, tensors).dump(value)
     if not tensors:
         return meta.getvalue()
-    entries, offset = [], 0
-    for tensor in tensors:
+    # Laid out device by device, so the client copies each device's part of the block to that device alone.
+    entries: list = [None] * len(tensors)
+    offset = 0
+    for index in sorted(range(len(tensors)), key=lambda index: str(tensors[index].device)):
+        tensor = tensors[index]
         offset = -(-offset // _ALIGN) * _ALIGN  # a dtype view of the block needs an aligned offset
         size = tensor.numel() * tensor.element_size()
-        entries.append((offset, size, tensor.dtype, tuple(tensor.shape), str(tensor.device)))
+        entries[index] = (offset, size, tensor.dtype, tuple(tensor.shape), str(tensor.device))
         offset += size
-    cuda = any(tensor.is_cuda for tensor in tensors)
-    block = torch.empty(offset, dtype=torch.uint8, pin_memory=cuda)  # torch's host allocator caches pinned blocks
+    devices = {tensor.device for tensor in tensors if tensor.is_cuda}
+    # Page-locked, the copies are queued; torch's host allocator keeps such a block for reuse, so only small ones.
+    queued = bool(devices) and offset <= PINNED_BYTES
+    block = torch.empty(offset, dtype=torch.uint8, pin_memory=queued)
     for tensor, (start, size, *_) in zip(tensors, entries):
         flat = tensor.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
-        block[start : start + size].copy_(flat, non_blocking=cuda)
-    if cuda:
-        torch.cuda.synchronize()
+        block[start : start + size].copy_(flat, non_blocking=queued)
+    for device in devices if queued else ():
+        torch.cuda.synchronize(device)
     packed = pickle.PickleBuffer(block.numpy())  # in-band: it loads as a bytearray
     return pickle.dumps(_Packed(meta.getvalue(), packed, entries), pickle.HIGHEST_PROTOCOL)
 
@@ -154,14 +160,29 @@ def dumps_saves(value: Any) -> bytes:
 def unpacked(meta: bytes, block: bytearray, entries: list) -> Any:
     """What `dumps_saves` packed: ``meta`` unpickled, each tensor reference resolved from ``block``."""
     host = torch.frombuffer(block, dtype=torch.uint8) if len(block) else torch.empty(0, dtype=torch.uint8)
-    devices = {entry[-1] for entry in entries} - {"cpu"}
-    on_device = {device: host.to(device) for device in devices}  # one copy of the block per device
-    tensors = []
-    for start, size, dtype, shape, device in entries:
-        flat = on_device.get(device, host)[start : start + size]
-        # Each its own storage: one kept tensor does not keep every other alive, nor pickle with them.
-        tensors.append(flat.view(dtype).reshape(shape).clone())
+    tensors: list = [None] * len(entries)
+    # A device's tensors are copied over in runs of at most COPY_BYTES, each run one copy: the device holds
+    # its tensors and one run at a time, not the whole block besides them (on the CPU a run is a view).
+    run: list[int] = []
+    for index in sorted(range(len(entries)), key=lambda index: (entries[index][4], entries[index][0])):
+        start, size, dtype, shape, device = entries[index]
+        if run and (entries[run[0]][4] != device or start + size - entries[run[0]][0] > COPY_BYTES):
+            _copy_run(host, entries, run, tensors)
+        run.append(index)
+    if run:
+        _copy_run(host, entries, run, tensors)
     return _SavesUnpickler(io.BytesIO(meta), tensors).load()
+
+
+def _copy_run(host: torch.Tensor, entries: list, run: list[int], tensors: list) -> None:
+    first, device = entries[run[0]][0], entries[run[0]][4]
+    last = entries[run[-1]][0] + entries[run[-1]][1]
+    copied = host[first:last].to(device)
+    for index in run:
+        start, size, dtype, shape, _ = entries[index]
+        # Each its own storage: one kept tensor does not keep the others alive, nor pickle with them.
+        tensors[index] = copied[start - first : start - first + size].view(dtype).reshape(shape).clone()
+    run.clear()
 
 
 class _Packed:
@@ -176,6 +197,10 @@ class _Packed:
 
 #: Byte alignment of each tensor in `dumps_saves`'s block.
 _ALIGN = 64
+#: The largest block `dumps_saves` page-locks (a larger one is filled by waiting copies).
+PINNED_BYTES = 256 << 20
+#: The most bytes `unpacked` copies to a device at once.
+COPY_BYTES = 256 << 20
 
 
 def _plain(tensor: torch.Tensor) -> bool:
@@ -183,23 +208,29 @@ def _plain(tensor: torch.Tensor) -> bool:
         type(tensor) is torch.Tensor
         and tensor.layout is torch.strided
         and tensor.device.type != "meta"
-        and not (tensor.requires_grad or tensor.is_quantized)
+        and not (tensor.requires_grad or tensor.is_quantized or tensor.is_nested)
+        # An expanded tensor (a stride 0) would travel at its full size; torch's pickling keeps it small.
+        and all(stride != 0 or length <= 1 for stride, length in zip(tensor.stride(), tensor.shape))
     )
 
 
+def _tensor_slot(index: int) -> Any:
+    """Stands in `dumps_saves`'s metadata for its ``index``-th tensor; `_SavesUnpickler` resolves it."""
+    raise RuntimeError("a vlenvoys tensor slot is resolved only while its saves are unpacked")
+
+
 class _SavesPickler(_CompactPickler):
+    # reducer_override, not persistent_id: pickle skips it for ints, floats, strings and plain
+    # containers (a saved list of a million floats), and memoizes what it returns (one object saved twice).
     def __init__(self, file: Any, tensors: list) -> None:
         super().__init__(file, pickle.HIGHEST_PROTOCOL)
         self.tensors = tensors
-        self.index: dict[int, int] = {}
 
-    def persistent_id(self, obj: Any) -> Any:
+    def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor) and _plain(obj):
-            if id(obj) not in self.index:
-                self.index[id(obj)] = len(self.tensors)
-                self.tensors.append(obj)  # kept, so its id stays its own while pickling
-            return self.index[id(obj)]
-        return None
+            self.tensors.append(obj)
+            return _tensor_slot, (len(self.tensors) - 1,)
+        return super().reducer_override(obj)
 
 
 class _SavesUnpickler(pickle.Unpickler):
@@ -207,8 +238,10 @@ class _SavesUnpickler(pickle.Unpickler):
         super().__init__(file)
         self.tensors = tensors
 
-    def persistent_load(self, pid: Any) -> Any:
-        return self.tensors[pid]
+    def find_class(self, module: str, name: str) -> Any:
+        if module == __name__ and name == "_tensor_slot":
+            return self.tensors.__getitem__
+        return super().find_class(module, name)
 
 
 def _type_name(value: Any) -> str:
@@ -306,7 +339,7 @@ class StandardRunner:
         send_back_what_can_be_sent()
 
         backend = type(self.get_model()).__name__.startswith("Transformers")
-        _, _, architecture = resolve(self.model_config.hf_config.architectures, backend=backend)
+        installed, name, architecture = resolve(self.model_config.hf_config.architectures, backend=backend)
         plain = self.nnsight_model
         interleaver = plain.interleaver
         interleaver.batcher.__class__ = SplicingBatcher
@@ -319,6 +352,7 @@ class StandardRunner:
         interleaver.fragments = KernelFragments(max(1, ranks // self.model_config.get_total_num_kv_heads()))
         model = StandardizedVLLM(self.get_model(), interleaver=interleaver, architecture=architecture)
         model.tokenizer = plain.tokenizer
+        model.family, model.architecture_name = installed, name  # as `vlenvoys.load` sets them on the client's
         instrument_sources(model)
         self.nnsight_model = model
         self.nnsight_persistent_objects = model._remoteable_persistent_objects()
