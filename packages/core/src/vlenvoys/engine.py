@@ -52,9 +52,7 @@ class StandardizedVLLM(VLLM):
             kwargs["envoys"] = {**(kwargs.get("envoys") or parallel_envoys()), **architecture.envoys()}
             kwargs["rename"] = {**architecture.rename, **(kwargs.get("rename") or {})}
         self.architecture = architecture
-        self._built_keys: dict[str, frozenset] = {}
         super().__init__(*args, **kwargs)
-        self._built_keys.update((envoy.path, frozenset(envoy.__dict__)) for envoy in self.modules())
 
     def _load_meta(self, repo_id: str, **kwargs: Any) -> Any:
         with _meta_build():
@@ -64,6 +62,9 @@ class StandardizedVLLM(VLLM):
         # nnsight's own worker refuses vLLM's CPU runner; pick ours by platform.
         self._WORKER_CLS = worker_class()
         return super()._load(repo_id, **kwargs)
+
+    #: Set by `load`: each envoy's attribute names when the model was handed over (none: nothing travels by path).
+    _built_keys: dict[str, frozenset] = {}
 
     #: Set by `load` (``cuda_graphs=True``): the engine replays CUDA graphs of its decode steps.
     cuda_graphs = False
@@ -562,7 +563,9 @@ def load(model: str | os.PathLike | None = None, *, cuda_graphs: bool = False, *
             model, dispatch=True, architecture=architecture, cuda_graphs=bool(cuda_graphs), **engine_kwargs
         )
     loaded.family, loaded.architecture_name = installed, name
-    loaded._built_keys[loaded.path] = frozenset(loaded.__dict__)  # the worker's has them too (`_travels_by_path`)
+    # The keys each envoy has as the model is handed over, as the worker's have them (`_travels_by_path`).
+    loaded._built_keys = {}
+    loaded._built_keys.update((envoy.path, frozenset(envoy.__dict__)) for envoy in loaded.modules())
     return loaded
 
 

@@ -18,6 +18,8 @@ import torch
 from nnsight.modeling.vllm.batching import VLLMBatcher
 from nnsight.modeling.vllm.collect import _CompactPickler
 
+from ..handover import ALIGN
+
 
 def instrument_sources(model: Any) -> None:
     """Source-instrument every block whose values are read at operations inside its forward.
@@ -140,7 +142,7 @@ def dumps_saves(value: Any) -> bytes:
     offset = 0
     for index in sorted(range(len(tensors)), key=lambda index: str(tensors[index].device)):
         tensor = tensors[index]
-        offset = -(-offset // _ALIGN) * _ALIGN  # a dtype view of the block needs an aligned offset
+        offset = -(-offset // ALIGN) * ALIGN  # a dtype view of the block needs an aligned offset
         size = tensor.numel() * tensor.element_size()
         entries[index] = (offset, size, tensor.dtype, tuple(tensor.shape), str(tensor.device))
         offset += size
@@ -195,8 +197,6 @@ class _Packed:
         return unpacked, self.args
 
 
-#: Byte alignment of each tensor in `dumps_saves`'s block.
-_ALIGN = 64
 #: The largest block `dumps_saves` page-locks (a larger one is filled by waiting copies).
 PINNED_BYTES = 256 << 20
 #: The most bytes `unpacked` copies to a device at once.
