@@ -91,3 +91,53 @@ def test_saves_travel_in_one_block_and_come_back_equal(monkeypatch, run_bytes):
     assert back["rows"].untyped_storage().nbytes() == 2 * 8 * 2, "each tensor its own storage"
     assert len(dumps_saves(torch.zeros(1).expand(100_000))) < 2000
     back["rows"].add_(1)  # a tensor the client can write to
+
+
+def test_saves_in_shared_memory_come_back_equal_and_hold_their_block_until_loaded(monkeypatch):
+    import os
+    import pickle
+
+    from vlenvoys import handover
+    from vlenvoys.handover import Arena
+    from vlenvoys.workers import dumps_saves
+
+    if not os.access(handover.SHARED_MEMORY, os.W_OK):
+        pytest.skip(f"{handover.SHARED_MEMORY} is not writable here")
+    monkeypatch.setattr(handover, "FIRST_CHUNK", 4096)
+    monkeypatch.setattr(handover, "LARGEST_CHUNK", 8192)
+    arena = Arena(f"test-saves-{os.getpid()}", device_copies=False)
+    try:
+        def saves(seed: int) -> dict:  # 3,008 bytes of tensors: one block fits the first chunk, two the second
+            generator = torch.Generator().manual_seed(seed)
+            whole = torch.randn(48, 16, generator=generator)
+            row = whole[0]
+            return {"rows": whole[3:48], "ids": torch.arange(8) + seed, "step": seed, "twice": [row, row]}
+
+        def check(back: dict, seed: int) -> None:
+            sent = saves(seed)
+            assert torch.equal(back["rows"], sent["rows"]) and torch.equal(back["ids"], sent["ids"])
+            assert back["step"] == seed and back["twice"][0] is back["twice"][1]
+
+        first = dumps_saves(saves(0), arena)
+        assert len(first) < 1000, "only where the data lies travels in the message"
+        assert arena.current == 0 and arena.chunks[0].unread_saves()
+        second = dumps_saves(saves(1), arena)
+        assert arena.current == 1, "a chunk whose saves are unread is not reused"
+        back = pickle.loads(first)
+        check(back, 0)
+        assert not arena.chunks[0].unread_saves(), "loading the saves frees their block"
+        back["rows"].add_(1)  # the client's own memory: the block (and the next saves in it) are untouched
+        third = dumps_saves(saves(2), arena)
+        assert arena.current == 1
+        fourth = dumps_saves(saves(3), arena)
+        assert arena.current == 0, "a chunk whose saves were loaded is reused"
+        for payload, seed in ((second, 1), (third, 2), (fourth, 3)):
+            check(pickle.loads(payload), seed)
+        assert not any(chunk.unread_saves() for chunk in arena.chunks.values())
+        arena.files = False  # no room in shared memory: the block goes in the message
+        inline = dumps_saves(saves(4), arena)
+        assert len(inline) > 3008
+        check(pickle.loads(inline), 4)
+    finally:
+        arena.close()
+    assert not [entry for entry in os.listdir(handover.SHARED_MEMORY) if entry.startswith(f"vlenvoys-test-saves-{os.getpid()}")]

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from nnsight.intervention.interleaver import Mediator
+from nnsight.modeling.vllm.engines.engine import merge_collected
 
 from . import collector
 from .values import unmark
@@ -296,8 +297,9 @@ def _run(
         def abort() -> None:
             engine.abort_request(unfinished)
             # An aborted request's output never comes back to be collected, so its
-            # block's state stays on the worker unless it is wound up by name.
-            engine.collective_rpc("collect_nnsight", args=(unfinished, unfinished))
+            # block's state stays on the worker unless it is wound up by name; what it
+            # saved is loaded and dropped, which frees the worker's shared memory it is in.
+            merge_collected(engine.collective_rpc("collect_nnsight", args=(unfinished, unfinished)))
 
         if unfinished:
             _clean_up(model, abort, quietly=True)

@@ -86,7 +86,7 @@ class Collector:
         self.handles: list[Any] = []
         self.name = name
         #: The worker's host memory the rows are copied into, which the client maps (`vlenvoys.handover`).
-        self.arena = _arena(runner)
+        self.arena = worker_arena(runner)
         for read in reads:
             envoy, value = _descriptor(model, read)
             key = f"{read[2]}.{read[0]}"
@@ -222,7 +222,7 @@ def step_spans(runner: Any, scheduler_output: Any) -> list[tuple[str, int, int]]
 # -- the worker's RPCs (`vlenvoys.workers.StandardWorker` calls these with itself) ----------
 
 
-def _arena(runner: Any) -> Arena:
+def worker_arena(runner: Any) -> Arena:
     """The worker's one `Arena`, kept for its life: its chunks are reused across collections."""
     if getattr(runner, "vlenvoys_arena", None) is None:
         device_copies = torch.device(runner.device).type == "cuda"

@@ -57,6 +57,8 @@ LARGEST_CHUNK = 1 << 30
 MARGIN = 256 << 20
 #: Every block of rows starts at a multiple of this many bytes (any dtype's alignment).
 ALIGN = 64
+#: A trace's saves in a chunk start with this many bytes: a flag (the first byte), then padding to `ALIGN`.
+SAVES_HEADER = ALIGN
 #: A worker arena's lock file, ``vlenvoys-rows-<token>.lock``; its chunks are ``vlenvoys-rows-<token>-*.rows``.
 _LOCK_FILE = re.compile(r"^vlenvoys-(rows-[0-9a-f]+)\.lock$")
 #: A chunk file of a worker arena (`sweep` removes those whose arena holds no lock file).
@@ -78,13 +80,19 @@ def row_bytes(shape: list[int], dtype: str) -> int:
 
 
 class _Chunk:
-    __slots__ = ("path", "fd", "data", "used", "live", "pinned", "waiting")
+    __slots__ = ("path", "fd", "data", "used", "live", "pinned", "waiting", "tickets")
 
     def __init__(self, path: str | None, fd: int | None, data: torch.Tensor, pinned: bool) -> None:
         self.path, self.fd, self.data, self.pinned = path, fd, data, pinned
         self.used = 0  # bytes given out since it was (re)taken
         self.live = 0  # blocks of rows not yet handed over or dropped
         self.waiting: set[str] = set()  # collectors that named it in a handover and have not called since
+        self.tickets: set[int] = set()  # byte offsets of trace saves' flags the client may not have cleared yet
+
+    def unread_saves(self) -> bool:
+        """True while a trace's saves in it wait for the client (their flag is still set, see `Arena.saves`)."""
+        self.tickets = {offset for offset in self.tickets if int(self.data[offset]) != 0}
+        return bool(self.tickets)
 
     @property
     def size(self) -> int:
@@ -152,9 +160,35 @@ class Arena:
         chunk.live += holders
         return chunk.data[offset : offset + size].view(dtype).view(shape), self.current, offset
 
+    def saves(self, size: int) -> tuple[torch.Tensor, tuple[str, int]] | None:
+        """A host block of ``size`` bytes in a shared-memory chunk for a trace's saves, and where the client finds it.
+
+        Returns the block (aligned to `ALIGN`) and ``(file, byte offset of its
+        header)``; None where no file chunk has room (the saves go as bytes).
+        The header's first byte is set: the chunk is not reused until it reads
+        0, which the client writes once it has copied the saves out
+        (`taken_saves`), or `dropped_saves` if they are never sent.
+        """
+        if not self.files:
+            return None
+        data, chunk_id, offset = self.block(torch.Size([SAVES_HEADER + size]), torch.uint8, holders=0)
+        chunk = self.chunks[chunk_id]
+        if chunk.path is None:
+            return None
+        data[:SAVES_HEADER].zero_()
+        data[0] = 1
+        chunk.tickets.add(offset)
+        return data[SAVES_HEADER:], (chunk.path, offset)
+
+    def dropped_saves(self, where: tuple[str, int]) -> None:
+        """The saves at ``where`` (from `saves`) will never reach a client: their block is free again."""
+        for chunk in self.chunks.values():
+            if chunk.path == where[0]:
+                chunk.data[where[1]] = 0
+
     def _idle(self, chunk_id: int, chunk: _Chunk) -> bool:
         """Nothing the worker owes anyone is in it: not being filled, no rows pending, no handover unread."""
-        return chunk_id != self.current and chunk.live == 0 and not chunk.waiting
+        return chunk_id != self.current and chunk.live == 0 and not chunk.waiting and not chunk.unread_saves()
 
     def _reused(self, size: int) -> int | None:
         """The largest idle chunk of at least ``size`` bytes no client maps any more, emptied; None if none."""
@@ -387,3 +421,40 @@ def received(handed: dict[str, Any], maps: dict[str, torch.Tensor] | None = None
                 parts.append(maps[path][offset : offset + count * each].view(dtype).view(count, *shape))
             out[key].append(parts[0] if len(parts) == 1 else torch.cat(parts))
     return out
+
+
+def taken_saves(where: tuple[str, int], size: int, take: Any) -> Any:
+    """Client side: ``take(host)`` of the ``size`` bytes of saves `Arena.saves` placed at ``where``; then their flag is cleared.
+
+    ``host`` is a uint8 tensor over a private mapping of those bytes, valid
+    only during the call: ``take`` must copy what it keeps. The flag is
+    cleared whether or not ``take`` succeeds (the worker may reuse the block).
+
+    Raises:
+        RuntimeError: the file is not on this host (an engine on another machine).
+    """
+    path, offset = where
+    try:
+        handle = os.open(path, os.O_RDWR)
+    except FileNotFoundError as error:
+        raise RuntimeError(f"the engine left the trace's saves at {path}, which this host does not have") from error
+    try:
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY  # a mapping starts on a page
+        skip = offset - start + SAVES_HEADER
+        view = mmap.mmap(
+            handle, skip + size, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0),
+            prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start,
+        )
+        try:
+            host = torch.frombuffer(view, dtype=torch.uint8)[skip:] if size else torch.empty(0, dtype=torch.uint8)
+            result = take(host)
+            del host
+        finally:
+            with contextlib.suppress(BufferError):  # a view ``take`` kept holds it; it goes with that view
+                view.close()
+        return result
+    finally:
+        try:
+            os.pwrite(handle, b"\0", offset)
+        finally:
+            os.close(handle)

@@ -74,7 +74,11 @@ def _is_span(full: torch.Tensor, dim: int, group: list, edited: torch.Tensor) ->
     )
 
 
-def send_back_what_can_be_sent() -> None:
+#: The model runner whose arena `send_back_what_can_be_sent`'s pickling uses (one per worker process).
+_SENDING: dict[str, Any] = {"runner": None}
+
+
+def send_back_what_can_be_sent(runner: Any = None) -> None:
     """Worker side: a saved value that cannot be pickled fails its own trace, not the engine.
 
     nnsight pickles every request's saves in one go when the caller collects
@@ -83,17 +87,28 @@ def send_back_what_can_be_sent() -> None:
     engine died with every request in it. Pickling is retried value by value:
     what will not go is dropped and becomes that request's error, a TypeError
     naming the saved variable and its type.
+
+    With ``runner`` (the worker's model runner), the tensors' data goes
+    through the runner's shared-memory arena (`dumps_saves`).
     """
     from nnsight.intervention.errors import capture_exception
     from nnsight.modeling.vllm.model_runners import GPUModelRunner as runner_module
 
+    _SENDING["runner"] = runner  # nnsight's pickling is a module function: the latest runner's arena serves it
     if getattr(runner_module.dumps_compact, "vlenvoys", False):
         return
     dumps = dumps_saves
 
+    def arena() -> Any:
+        if _SENDING["runner"] is None:
+            return None
+        from ..collector import worker_arena
+
+        return worker_arena(_SENDING["runner"])
+
     def dumps_what_can_be_sent(collected: dict) -> bytes:
         try:
-            return dumps(collected)
+            return dumps(collected, arena())
         except Exception:
             pass
         for entry in collected.values():
@@ -112,13 +127,13 @@ def send_back_what_can_be_sent() -> None:
                                 f"engine: {_why_unsendable(value, error, dumps)}; save tensors, numbers, strings "
                                 "or containers of them"
                             ))
-        return dumps(collected)
+        return dumps(collected, arena())  # the probes above went as bytes: a probe's block is never read
 
     dumps_what_can_be_sent.vlenvoys = True
     runner_module.dumps_compact = dumps_what_can_be_sent
 
 
-def dumps_saves(value: Any) -> bytes:
+def dumps_saves(value: Any, arena: Any = None) -> bytes:
     """Pickle a request's saves as nnsight's ``dumps_compact`` does, the plain tensors' data in one block.
 
     Pickling a tensor the default way runs a ``torch.save`` per tensor and a
@@ -131,6 +146,13 @@ def dumps_saves(value: Any) -> bytes:
     storage. Other tensors (a subclass, sparse, nested, quantized, expanded,
     with gradients) and everything else go nnsight's way; an object saved
     twice is still one.
+
+    With the worker's `vlenvoys.handover.Arena`, the block lies in one of its
+    shared-memory chunks and only where it lies is pickled: the data is not
+    copied into the message, sent through vLLM's RPC and copied out again (on
+    an H200, 600 MB of a trace's saves cost 4 s that way). The client must
+    load what this returns (its flag holds the block until then); without
+    room in shared memory the block travels in the message, as without an arena.
     """
     tensors: list[torch.Tensor] = []
     meta = io.BytesIO()
@@ -147,21 +169,48 @@ def dumps_saves(value: Any) -> bytes:
         entries[index] = (offset, size, tensor.dtype, tuple(tensor.shape), str(tensor.device))
         offset += size
     devices = {tensor.device for tensor in tensors if tensor.is_cuda}
-    # Page-locked, the copies are queued; torch's host allocator keeps such a block for reuse, so only small ones.
-    queued = bool(devices) and offset <= PINNED_BYTES
-    block = torch.empty(offset, dtype=torch.uint8, pin_memory=queued)
-    for tensor, (start, size, *_) in zip(tensors, entries):
-        flat = tensor.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
-        block[start : start + size].copy_(flat, non_blocking=queued)
-    for device in devices if queued else ():
-        torch.cuda.synchronize(device)
+    shared = arena.saves(offset) if arena is not None else None
+    if shared is not None:
+        block, where = shared
+        queued = bool(devices) and arena.device_copies  # its chunks are page-locked (or the copy waits anyway)
+    else:
+        # Page-locked, the copies are queued; torch's host allocator keeps such a block for reuse, so only small ones.
+        queued = bool(devices) and offset <= PINNED_BYTES
+        block = torch.empty(offset, dtype=torch.uint8, pin_memory=queued)
+    try:
+        for tensor, (start, size, *_) in zip(tensors, entries):
+            flat = tensor.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+            block[start : start + size].copy_(flat, non_blocking=queued)
+        for device in devices if queued else ():
+            torch.cuda.synchronize(device)
+    except BaseException:
+        if shared is not None:
+            arena.dropped_saves(where)
+        raise
+    if shared is not None:
+        return pickle.dumps(_Packed(meta.getvalue(), where, entries, offset), pickle.HIGHEST_PROTOCOL)
     packed = pickle.PickleBuffer(block.numpy())  # in-band: it loads as a bytearray
     return pickle.dumps(_Packed(meta.getvalue(), packed, entries), pickle.HIGHEST_PROTOCOL)
 
 
-def unpacked(meta: bytes, block: bytearray, entries: list) -> Any:
-    """What `dumps_saves` packed: ``meta`` unpickled, each tensor reference resolved from ``block``."""
-    host = torch.frombuffer(block, dtype=torch.uint8) if len(block) else torch.empty(0, dtype=torch.uint8)
+def unpacked(meta: bytes, block: bytearray | tuple[str, int], entries: list, size: int = 0) -> Any:
+    """What `dumps_saves` packed: ``meta`` unpickled, each tensor reference resolved from ``block``.
+
+    ``block`` is the bytes themselves, or ``(file, byte offset)`` of ``size``
+    bytes in shared memory (`vlenvoys.handover.taken_saves`).
+    """
+    if isinstance(block, tuple):
+        from ..handover import taken_saves
+
+        tensors = taken_saves(block, size, lambda host: _copied(host, entries))
+    else:
+        host = torch.frombuffer(block, dtype=torch.uint8) if len(block) else torch.empty(0, dtype=torch.uint8)
+        tensors = _copied(host, entries)
+    return _SavesUnpickler(io.BytesIO(meta), tensors).load()
+
+
+def _copied(host: torch.Tensor, entries: list) -> list:
+    """Each entry's tensor, copied out of ``host`` onto its device."""
     tensors: list = [None] * len(entries)
     # A device's tensors are copied over in runs of at most COPY_BYTES, each run one copy: the device holds
     # its tensors and one run at a time, not the whole block besides them (on the CPU a run is a view).
@@ -173,7 +222,7 @@ def unpacked(meta: bytes, block: bytearray, entries: list) -> Any:
         run.append(index)
     if run:
         _copy_run(host, entries, run, tensors)
-    return _SavesUnpickler(io.BytesIO(meta), tensors).load()
+    return tensors
 
 
 def _copy_run(host: torch.Tensor, entries: list, run: list[int], tensors: list) -> None:
@@ -336,7 +385,7 @@ class StandardRunner:
 
         # Registrations vlenvoys.collect installs run only on the requests that name them.
         serve_private_edits(self.nnsight_requests)
-        send_back_what_can_be_sent()
+        send_back_what_can_be_sent(self)
 
         backend = type(self.get_model()).__name__.startswith("Transformers")
         installed, name, architecture = resolve(self.model_config.hf_config.architectures, backend=backend)
