@@ -233,7 +233,9 @@ def test_plain_requests_share_the_prefix_cache_and_traces_stay_out_of_it(subject
     first, second = plain(), plain()
     assert first[0] == 0, "the trace left its (edited) prefix in the cache"
     assert second[0] >= block, "plain requests share the cache"
-    assert second[1:] == first[1:]
+    assert second[1] == first[1], "a cached prefix changes no token"
+    # On a GPU a cached prefix changes which rows a kernel computes together, and with it the float rounding.
+    assert torch.allclose(torch.tensor(second[2]), torch.tensor(first[2]), rtol=0, atol=1e-5), (first, second)
     # Then a trace of the cached prompt: every row computed (none served from the cache), and unedited.
     with model.trace(ids, temperature=0.0):
         stream = model.layers[1].layer_output.save()

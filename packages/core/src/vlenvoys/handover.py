@@ -32,6 +32,11 @@ could clean up). A lock, not a process id: containers that share
 
 Where shared memory has no room (or is not there), chunks are process memory
 (pinned on a GPU) and the rows a handover needs are sent as bytes instead.
+
+A trace's saves use the same chunks (`Arena.saves`): one block per call that
+sends saves back, its first byte a flag the client clears once it has copied
+them out (`taken_saves`). Until then the chunk is not reused; a client that
+dies before it loads them leaves that chunk taken until the worker exits.
 """
 
 from __future__ import annotations
