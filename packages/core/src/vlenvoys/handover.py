@@ -49,6 +49,7 @@ import os
 import re
 import tempfile
 import uuid
+import warnings
 from typing import Any
 
 import torch
@@ -446,12 +447,15 @@ def taken_saves(where: tuple[str, int], size: int, take: Any) -> Any:
     try:
         start = offset - offset % mmap.ALLOCATIONGRANULARITY  # a mapping starts on a page
         skip = offset - start + SAVES_HEADER
+        # Read-only and shared: a private writable mapping that is populated copies every page first.
         view = mmap.mmap(
-            handle, skip + size, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0),
-            prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start,
+            handle, skip + size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+            prot=mmap.PROT_READ, offset=start,
         )
         try:
-            host = torch.frombuffer(view, dtype=torch.uint8)[skip:] if size else torch.empty(0, dtype=torch.uint8)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "The given buffer is not writable")  # nothing writes into it
+                host = torch.frombuffer(view, dtype=torch.uint8)[skip:] if size else torch.empty(0, dtype=torch.uint8)
             result = take(host)
             del host
         finally:
