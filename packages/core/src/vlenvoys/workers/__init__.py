@@ -169,7 +169,10 @@ def dumps_saves(value: Any, arena: Any = None) -> bytes:
         entries[index] = (offset, size, tensor.dtype, tuple(tensor.shape), str(tensor.device))
         offset += size
     devices = {tensor.device for tensor in tensors if tensor.is_cuda}
-    shared = arena.saves(offset) if arena is not None else None
+    try:
+        shared = arena.saves(offset) if arena is not None else None
+    except Exception:  # no chunk could be had (no memory to page-lock, no file): the block goes in the message
+        shared = None
     if shared is not None:
         block, where = shared
         queued = bool(devices) and arena.device_copies  # its chunks are page-locked (or the copy waits anyway)
