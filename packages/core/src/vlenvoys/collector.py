@@ -240,10 +240,6 @@ def close_arena(worker: Any) -> None:
             torch.cuda.current_stream().synchronize()  # no copy may still be writing into a chunk let go
         arena.close()
         worker.model_runner.vlenvoys_arena = None
-    from .workers import _SENDING
-
-    if _SENDING["runner"] is worker.model_runner:  # its saves no longer go through an arena, nor keep it alive
-        _SENDING["runner"] = None
 
 
 def _collectors(worker: Any) -> dict[str, Collector]:

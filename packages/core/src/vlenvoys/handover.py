@@ -377,6 +377,14 @@ def _remove(entries: list[str]) -> list[str]:
     return removed
 
 
+def _opened(path: str, flags: int) -> int:
+    """A descriptor of the engine's file at ``path``; RuntimeError where this host has no such file."""
+    try:
+        return os.open(path, flags)
+    except FileNotFoundError as error:
+        raise RuntimeError(f"the engine left its values at {path}, which this host does not have") from error
+
+
 def _mapped(path: str) -> torch.Tensor:
     """The file's bytes, mapped privately, with a shared lock held for as long as any view of them lives.
 
@@ -384,10 +392,7 @@ def _mapped(path: str) -> torch.Tensor:
     lock; both go when the last tensor viewing the mapping is freed, and the
     worker may reuse the chunk then (`_Chunk.mapped_by_a_client`).
     """
-    try:
-        handle = os.open(path, os.O_RDONLY)
-    except FileNotFoundError as error:
-        raise RuntimeError(f"the engine left its values at {path}, which this host does not have") from error
+    handle = _opened(path, os.O_RDONLY)
     try:
         fcntl.flock(handle, fcntl.LOCK_SH)
         size = os.fstat(handle).st_size
@@ -432,18 +437,16 @@ def received(handed: dict[str, Any], maps: dict[str, torch.Tensor] | None = None
 def taken_saves(where: tuple[str, int], size: int, take: Any) -> Any:
     """Client side: ``take(host)`` of the ``size`` bytes of saves `Arena.saves` placed at ``where``; then their flag is cleared.
 
-    ``host`` is a uint8 tensor over a private mapping of those bytes, valid
-    only during the call: ``take`` must copy what it keeps. The flag is
+    ``host`` is a read-only uint8 tensor over a shared mapping of those
+    bytes, valid only during the call: ``take`` must copy what it keeps (the
+    worker reuses the block once the flag is clear). The flag is
     cleared whether or not ``take`` succeeds (the worker may reuse the block).
 
     Raises:
         RuntimeError: the file is not on this host (an engine on another machine).
     """
     path, offset = where
-    try:
-        handle = os.open(path, os.O_RDWR)
-    except FileNotFoundError as error:
-        raise RuntimeError(f"the engine left the trace's saves at {path}, which this host does not have") from error
+    handle = _opened(path, os.O_RDWR)
     try:
         start = offset - offset % mmap.ALLOCATIONGRANULARITY  # a mapping starts on a page
         skip = offset - start + SAVES_HEADER

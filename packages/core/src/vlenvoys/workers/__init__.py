@@ -354,6 +354,8 @@ class StandardWorker:
         from .. import collector
 
         collector.close_arena(self)  # its files in shared memory go with the worker
+        if _SENDING["runner"] is self.model_runner:  # its saves no longer go through an arena, nor keep it alive
+            _SENDING["runner"] = None
         super().shutdown()
 
 
