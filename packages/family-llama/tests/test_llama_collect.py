@@ -122,6 +122,41 @@ def test_someone_elses_request_carries_no_saves_and_is_unchanged(subject):
     assert_gone_from_the_engine(model, name)
 
 
+@on_tiny_llama
+def test_saves_are_asked_for_only_where_a_request_can_have_some(subject):
+    """A finished request costs a call into the engine for its saves only when it carries a block or an edit is
+    installed; a plain one gets nnsight's empty entry without it, and an installed edit still reaches plain requests."""
+    model, prompts = subject.model, subject.prompts
+    core = model.vllm_entrypoint.llm_engine.engine_core
+    calls, rpc = [], core.collective_rpc
+
+    def counted(method, *args, **kwargs):
+        calls.append(method)
+        return rpc(method, *args, **kwargs)
+
+    plain = SamplingParams(temperature=0.0, max_tokens=2)
+    core.collective_rpc = counted
+    try:
+        outputs = run_on_engine(model, {f"plain-{number}": (prompt, plain) for number, prompt in enumerate(prompts[:3])})
+        assert calls.count("collect_nnsight") == 0
+        assert all(output.saves == {} and output.nnsight_error is None for output in outputs.values())
+        with model.edit() as (tracer, edit):
+            everyone = model.layers[1].layer_output.save()  # noqa: F841 (saved on the engine, under this name)
+        try:
+            with_edit = run_on_engine(model, {"plain-with-edit": (prompts[2], plain)})["plain-with-edit"]
+        finally:
+            edit.clear()
+        assert calls.count("collect_nnsight") == 1
+        with model.trace(prompts[2], temperature=0.0, max_tokens=1):
+            traced = model.layers[1].layer_output.save()
+        assert calls.count("collect_nnsight") == 2
+        run_on_engine(model, {"plain-after": (prompts[0], plain)})
+        assert calls.count("collect_nnsight") == 2
+    finally:
+        del core.collective_rpc
+    assert torch.equal(host(with_edit.saves["everyone"]), host(traced))
+
+
 #: One value per path: layer_output takes the batched hooks (`vlenvoys.collector`); the pattern,
 #: recomputed per request, takes the block registered with nnsight.
 PATHS = {"hooks": "layer_output", "registration": "attention_probabilities"}

@@ -83,6 +83,8 @@ class Collector:
         self.layouts: dict[str, tuple[Any, Any]] = {}
         #: value key -> (row shape, dtype name), from its first rows.
         self.row_layouts: dict[str, tuple[list[int], str]] = {}
+        #: request id -> the CUDA event recorded after the last copy of its rows off the device (GPU engines).
+        self.copied: dict[str, Any] = {}
         self.handles: list[Any] = []
         self.name = name
         #: The worker's host memory the rows are copied into, which the client maps (`vlenvoys.handover`).
@@ -112,6 +114,10 @@ class Collector:
                 rows = torch.cat([tensor.narrow(0, start, count) for _, start, count in spans])
             host, chunk, offset = self.arena.block(rows.shape, rows.dtype, holders=len(spans))
             host.copy_(rows, non_blocking=True)  # queued on the stream (`take` waits for it)
+            copied = None
+            if self.arena.device_copies:
+                copied = torch.cuda.Event()
+                copied.record()
             if key not in self.row_layouts:
                 self.row_layouts[key] = (list(rows.shape[1:]), str(rows.dtype).removeprefix("torch."))
             row_bytes = rows[0].numel() * rows.element_size()
@@ -119,6 +125,8 @@ class Collector:
                 self.rows[request].setdefault(key, []).append((chunk, offset, count))
                 self.seen[request][key] = self.seen[request].get(key, 0) + count
                 offset += count * row_bytes
+                if copied is not None:
+                    self.copied[request] = copied
 
         if side == "input":
             return module.register_forward_pre_hook(lambda module, args, kwargs: read((args, kwargs)), with_kwargs=True)
@@ -154,14 +162,18 @@ class Collector:
         values}, **Arena.handover(...)}``: per value key, one list of pieces
         per id in ``order``.
         """
-        if self.arena.device_copies:
-            torch.cuda.current_stream().synchronize()  # the copies off the device were queued
         # The client maps each handover before it calls again: what it was given before may be reused.
         self.arena.acknowledge(self.name)
         order, missing, dropped = [], {}, []
         pieces: dict[str, list[list[Piece]]] = {key: [] for key in self.layouts}
-        for caller_id in requests:
-            request = self.engine_ids.pop(caller_id, caller_id)
+        # The copies off the device were queued on the stream. A finished request's are done by now (they came
+        # before the sampling its outputs waited for), so these waits return at once: unlike a synchronize of the
+        # stream, they do not wait for the step the engine has queued since (asynchronous scheduling).
+        engine_ids = [self.engine_ids.pop(caller_id, caller_id) for caller_id in requests]
+        events = (self.copied.pop(request, None) for request in engine_ids)
+        for event in {id(event): event for event in events if event is not None}.values():
+            event.synchronize()
+        for caller_id, request in zip(requests, engine_ids, strict=True):
             length, rows = self.prompts.pop(request, None), self.rows.pop(request, None)
             seen = self.seen.pop(request, {})
             if rows is None:
@@ -196,6 +208,7 @@ class Collector:
         self.rows.clear()
         self.seen.clear()
         self.engine_ids.clear()
+        self.copied.clear()
 
 
 def step_spans(runner: Any, scheduler_output: Any) -> list[tuple[str, int, int]]:

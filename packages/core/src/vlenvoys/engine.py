@@ -70,14 +70,16 @@ class StandardizedVLLM(VLLM):
     cuda_graphs = False
 
     def _load_sync(self, repo_id: str, **kwargs: Any) -> Any:
-        if not self.cuda_graphs:
-            return super()._load_sync(repo_id, **kwargs)
-        from nnsight.modeling.vllm.engines.engine import NNsightLLMEngine
         from vllm import LLM
 
-        # nnsight's own loader always runs eagerly (without taps): its hooks cannot fire in a replay.
-        llm = LLM(repo_id, worker_cls=self._WORKER_CLS, enforce_eager=False, **kwargs)
-        llm.llm_engine.__class__ = NNsightLLMEngine
+        from .stepping import StandardLLMEngine
+
+        if self.cuda_graphs:
+            # nnsight's own loader always runs eagerly (without taps): its hooks cannot fire in a replay.
+            llm = LLM(repo_id, worker_cls=self._WORKER_CLS, enforce_eager=False, **kwargs)
+        else:
+            llm = super()._load_sync(repo_id, **kwargs)
+        StandardLLMEngine.install(llm.llm_engine, self._installed_edits)
         return llm
 
     def _load_async(self, repo_id: str, **kwargs: Any) -> Any:
