@@ -93,6 +93,27 @@ def test_saves_travel_in_one_block_and_come_back_equal(monkeypatch, run_bytes):
     back["rows"].add_(1)  # a tensor the client can write to
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="copies onto a CUDA device")
+@pytest.mark.parametrize("staged_bytes", [0, 1 << 40], ids=["through page-locked memory", "straight"])
+def test_saves_of_a_cuda_device_come_back_equal_on_it(monkeypatch, staged_bytes):
+    """A device's saves go back to it through page-locked memory, or straight from the block, equal either way."""
+    import pickle
+
+    from vlenvoys import workers
+    from vlenvoys.workers import dumps_saves
+
+    monkeypatch.setattr(workers, "STAGED_BYTES", staged_bytes)
+    monkeypatch.setattr(workers, "COPY_BYTES", 3 << 20)  # several runs, each staged on its own
+    saves = {f"rows{number}": torch.randn(256 + number, 2048, device="cuda").to(torch.bfloat16) for number in range(6)}
+    saves["host"] = torch.arange(7)
+    back = pickle.loads(dumps_saves(saves))
+    for _ in range(2):  # a second load reuses what the host allocator kept, after the first's copies are done
+        again = pickle.loads(dumps_saves(saves))
+    for name, sent in saves.items():
+        for got in (back[name], again[name]):
+            assert got.device == sent.device and got.dtype == sent.dtype and torch.equal(got, sent), name
+
+
 def test_saves_in_shared_memory_come_back_equal_and_hold_their_block_until_loaded(monkeypatch):
     import os
     import pickle

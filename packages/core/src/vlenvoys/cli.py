@@ -156,7 +156,9 @@ def collect(
     value: Annotated[str, typer.Option(help="A block value: layer_output, layer_mid, attention_output, mlp_neurons, ...")] = "layer_output",
     layers: Annotated[str, typer.Option(help="Comma-separated block indices (negative count from the end).")] = "0",
     out: Annotated[Path, typer.Option(help="The safetensors file to write.")] = Path("values.safetensors"),
-    batch: Annotated[int, typer.Option(min=1, help="Prompts in flight on the engine at once.")] = 256,
+    batch: Annotated[
+        int | None, typer.Option(min=1, help="Prompts in flight on the engine at once (default: the engine's max_num_seqs).")
+    ] = None,
 ) -> None:
     """Save one value at chosen blocks for every prompt of a file to a safetensors file.
 

@@ -52,7 +52,7 @@ def collect(
     values: str | Sequence[str],
     layers: int | Sequence[int],
     *,
-    batch_size: int = 256,
+    batch_size: int | None = None,
     progress: Callable[[int], Any] | None = None,
 ) -> dict[str, list[torch.Tensor]]:
     """Read block values of every prompt, with one block installed on the engine.
@@ -73,12 +73,16 @@ def collect(
         values: A block value name (``"layer_output"``, ``"attention_output"``,
             ``"mlp_neurons"``, ...; see `vlenvoys.oracle.VALUES`) or several.
         layers: A block index or several; negative indices count from the end.
-        batch_size: How many requests are in flight at once; the engine
-            batches those into its steps as it would a plain ``generate``.
-            On the fast path the values of every ``batch_size`` finished
-            requests are taken from the engine at once. More than one step
-            takes keeps the engine busy while finished requests' values come
-            over (measured on an H200).
+        batch_size: How many requests are in flight at once (default: as
+            many as the engine schedules in one step, its ``max_num_seqs``);
+            the engine batches those into its steps as it would a plain
+            ``generate``. On the fast path the values of every ``batch_size``
+            finished requests are taken from the engine at once. Fewer in
+            flight than the engine can schedule leave its steps short while
+            the client refills them (measured on an H200: 0.49 s for 512
+            prompts with 256 in flight, 0.38 s with all of them). The values
+            come back whatever the number in flight, so more holds no more
+            memory.
         progress: Called with the number of prompts finished after each
             engine step that finished some (``tqdm.update`` fits).
 
@@ -94,7 +98,7 @@ def collect(
     Raises:
         TypeError: ``prompts`` is one string, a prompt is neither a string
             nor a list of int token ids, ``layers`` are not ints,
-            ``batch_size`` is not an int, or ``progress`` is not callable.
+            ``batch_size`` is neither None nor an int, or ``progress`` is not callable.
         ValueError: an empty prompt, an unknown value name, a block that does
             not exist, ``batch_size`` below 1, or a prompt vLLM refuses (longer
             than the engine's ``max_model_len``), named by its index.
@@ -106,8 +110,10 @@ def collect(
     _check_engine(model)  # before either path touches the engine
     prompts = _checked_prompts(prompts)
     reads = _reads(model, [values] if isinstance(values, str) else list(values), layers)
+    if batch_size is None:
+        batch_size = _scheduled_at_once(model)
     if not isinstance(batch_size, int) or isinstance(batch_size, bool):
-        raise TypeError(f"batch_size must be an int, got {batch_size!r}")
+        raise TypeError(f"batch_size must be an int or None, got {batch_size!r}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     if progress is not None and not callable(progress):
@@ -123,6 +129,12 @@ def collect(
         for key, tensors in results.items():
             tensors.append(saved[key])
     return results
+
+
+def _scheduled_at_once(model: Any) -> int:
+    """How many requests the engine's scheduler runs in one step (vLLM's ``max_num_seqs``)."""
+    config = model.vllm_entrypoint.llm_engine.vllm_config.scheduler_config
+    return int(getattr(config, "max_num_seqs", None) or 256)
 
 
 def _ranks(model: Any) -> int:
