@@ -667,7 +667,7 @@ def cuda_header(path: Path, config: dict, layers, steer_layer: int, counts: tupl
         f"Workloads: prefill = {prefill} prompts of 16-120 words, one token each (prompts/s); generation = {generate} "
         f"prompts x {TOKENS} tokens, greedy, ignore_eos (tokens/s). Reads: layer_output (raw: hidden + residual, "
         f"cloned) at layers {', '.join(map(str, layers))}; steering at layer {steer_layer}, every step; "
-        f"{PER_TRACE} invokes per trace, collect with its default requests in flight (256). Medians of {repeats} runs "
+        f"{PER_TRACE} invokes per trace, collect with its default requests in flight (the engine's max_num_seqs). Medians of {repeats} runs "
         "after a warm-up. Engines one at a time in one process, each shut down before the next: "
         f"gpu_memory_utilization 0.5, max_model_len {MAX_MODEL_LEN}, prefix caching off (repeats of the same "
         f"prompts would otherwise be served from it); nnsight's taps={TAPS} on "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from vllm import SamplingParams
@@ -42,7 +44,7 @@ def run_on_engine(model, requests: dict[str, tuple[list[int], SamplingParams]]) 
     """Submit several requests at once (so they share steps) and step the engine until all finish."""
     engine = model.vllm_entrypoint.llm_engine
     for request_id, (prompt, params) in requests.items():
-        engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), params)
+        engine.add_request(request_id, prompt if isinstance(prompt, dict) else TokensPrompt(prompt_token_ids=prompt), params)
     finished = {}
     while engine.has_unfinished_requests():
         for output in engine.step():
@@ -140,10 +142,15 @@ def test_saves_are_asked_for_only_where_a_request_can_have_some(subject):
         outputs = run_on_engine(model, {f"plain-{number}": (prompt, plain) for number, prompt in enumerate(prompts[:3])})
         assert calls.count("collect_nnsight") == 0
         assert all(output.saves == {} and output.nnsight_error is None for output in outputs.values())
-        with model.edit() as (tracer, edit):
-            everyone = model.layers[1].layer_output.save()  # noqa: F841 (saved on the engine, under this name)
+        with warnings.catch_warnings():  # nnsight's warning that a cached prefix runs no forward: this prompt is salted
+            warnings.filterwarnings("ignore", message="This engine was built with prefix caching on")
+            with model.edit() as (tracer, edit):
+                everyone = model.layers[1].layer_output.save()  # noqa: F841 (saved on the engine, under this name)
+        # Its own cache salt: this prompt ran above, and a cached prefix (a GPU engine's blocks of 16 tokens) runs no
+        # forward, so the edit would see only the rows after it.
+        whole = TokensPrompt(prompt_token_ids=prompts[2], cache_salt="test-saves-asked-for")
         try:
-            with_edit = run_on_engine(model, {"plain-with-edit": (prompts[2], plain)})["plain-with-edit"]
+            with_edit = run_on_engine(model, {"plain-with-edit": (whole, plain)})["plain-with-edit"]
         finally:
             edit.clear()
         assert calls.count("collect_nnsight") == 1
