@@ -155,7 +155,14 @@ def test_saves_in_shared_memory_come_back_equal_and_hold_their_block_until_loade
         for payload, seed in ((second, 1), (third, 2), (fourth, 3)):
             check(pickle.loads(payload), seed)
         assert not any(chunk.unread_saves() for chunk in arena.chunks.values())
-        arena.files = False  # no room in shared memory: the block goes in the message
+        made = len(arena.chunks)
+        with monkeypatch.context() as patch:
+            patch.setattr(arena, "_file", lambda size: None)  # shared memory full: no new chunk can be had
+            big = {"rows": torch.randn(4096)}  # more than any chunk holds
+            full = dumps_saves(big, arena)
+        assert len(full) > 4 * 4096 and torch.equal(pickle.loads(full)["rows"], big["rows"]), "the block went in the message"
+        assert len(arena.chunks) == made, "no chunk of process memory was made for saves that went as bytes"
+        arena.files = False  # no shared memory at all: the block goes in the message
         inline = dumps_saves(saves(4), arena)
         assert len(inline) > 3008
         check(pickle.loads(inline), 4)

@@ -148,10 +148,14 @@ class Arena:
                 fcntl.flock(self.lock, fcntl.LOCK_EX)
                 os.rename(path, os.path.join(SHARED_MEMORY, f"vlenvoys-{name}.lock"))
 
-    def block(self, shape: torch.Size, dtype: torch.dtype, holders: int = 1) -> tuple[torch.Tensor, int, int]:
+    def block(
+        self, shape: torch.Size, dtype: torch.dtype, holders: int = 1, files_only: bool = False
+    ) -> tuple[torch.Tensor, int, int] | None:
         r"""A ``[shape]`` host tensor to copy rows into; returns it, its chunk id and byte offset.
 
         ``holders``: how many pieces of it will be `release`\ d (one per request whose rows it holds).
+        ``files_only``: None where the block would need a new chunk and shared memory has no room for one
+        (instead of a chunk of process memory).
         """
         size = shape.numel() * dtype.itemsize
         chunk = self.chunks.get(self.current) if self.current is not None else None
@@ -159,7 +163,9 @@ class Arena:
             self.current = None  # the full chunk is no longer current, so `_reused` may pick it
             self.current = self._reused(size)
             if self.current is None:
-                self.current = self._new(max(size, min(LARGEST_CHUNK, FIRST_CHUNK << self.made)))
+                self.current = self._new(max(size, min(LARGEST_CHUNK, FIRST_CHUNK << self.made)), files_only)
+                if self.current is None:
+                    return None
             chunk = self.chunks[self.current]
         offset = chunk.used
         chunk.used = -(-(offset + size) // ALIGN) * ALIGN
@@ -177,7 +183,11 @@ class Arena:
         """
         if not self.files:
             return None
-        data, chunk_id, offset = self.block(torch.Size([SAVES_HEADER + size]), torch.uint8, holders=0)
+        # Never a new chunk of process memory: these saves would go as bytes, and the chunk would lie unused.
+        got = self.block(torch.Size([SAVES_HEADER + size]), torch.uint8, holders=0, files_only=True)
+        if got is None:
+            return None
+        data, chunk_id, offset = got
         chunk = self.chunks[chunk_id]
         if chunk.path is None:
             return None
@@ -206,10 +216,12 @@ class Arena:
                 return chunk_id
         return None
 
-    def _new(self, size: int) -> int:
+    def _new(self, size: int, files_only: bool = False) -> int | None:
+        chunk = self._file(size) if self.files else None
+        if chunk is None and files_only:
+            return None
         chunk_id = self.made
         self.made += 1
-        chunk = self._file(size) if self.files else None
         if chunk is None:  # no room in shared memory now: this chunk is process memory (its rows go as bytes)
             data = torch.empty(size, dtype=torch.uint8, pin_memory=self.device_copies)
             chunk = _Chunk(None, None, data, pinned=False)

@@ -191,7 +191,11 @@ def dumps_saves(value: Any, arena: Any = None) -> bytes:
             arena.dropped_saves(where)
         raise
     if shared is not None:
-        return pickle.dumps(_Packed(meta.getvalue(), where, entries, offset), pickle.HIGHEST_PROTOCOL)
+        try:
+            return pickle.dumps(_Packed(meta.getvalue(), where, entries, offset), pickle.HIGHEST_PROTOCOL)
+        except BaseException:  # no client will load these saves: their block is free again
+            arena.dropped_saves(where)
+            raise
     packed = pickle.PickleBuffer(block.numpy())  # in-band: it loads as a bytearray
     return pickle.dumps(_Packed(meta.getvalue(), packed, entries), pickle.HIGHEST_PROTOCOL)
 
