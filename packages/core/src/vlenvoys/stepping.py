@@ -10,10 +10,11 @@ requests and `vlenvoys.collect` below plain vLLM's speed.
 A finished request can have saves or an error only when it carried a block (a
 trace's ``nnsight_mediator``), named edits (``nnsight_edits``: a name nothing is
 installed under is its error), or when some edit is installed on the engine
-(nnsight runs one on every request that names none). The others get the empty
-entry nnsight would have attached (``output.saves == {}``), without the call;
-their workers hold nothing and forget them off the scheduler's finished set
-(nnsight's ``Requests.harvest``).
+(nnsight runs one on every request that names none). The others get an empty
+entry without the call (``output.saves == {}``, ``nnsight_error`` None; under
+nnsight's engine such an output has either that or, when the worker has already
+forgotten the request, no ``saves`` at all); their workers hold nothing and
+forget them off the scheduler's finished set (nnsight's ``Requests.harvest``).
 """
 
 from __future__ import annotations
@@ -22,13 +23,14 @@ import pickle
 from typing import Any
 
 from nnsight.modeling.vllm.engines.engine import NNsightLLMEngine, attach, merge_collected
+from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.engine.llm_engine import LLMEngine
 
 __all__ = ["StandardLLMEngine", "carries_nnsight_work"]
 
 
 def _nothing() -> dict:
-    """What nnsight attaches to a finished request that saved nothing and raised nothing (fresh: outputs own theirs)."""
+    """nnsight's entry of a finished request that saved nothing and raised nothing (fresh: outputs own theirs)."""
     return {"saves": {}, "error": None, "registered": {}, "sequences": {}}
 
 
@@ -57,8 +59,6 @@ class StandardLLMEngine(NNsightLLMEngine):
         engine.vlenvoys_carrying = set()
 
     def add_request(self, request_id: str, prompt: Any, params: Any, *args: Any, **kwargs: Any) -> str:
-        from vllm.v1.engine import EngineCoreRequest
-
         if isinstance(prompt, EngineCoreRequest):  # vLLM then takes the id and params off the request
             request_id, params = prompt.request_id, prompt.params
         added = super().add_request(request_id, prompt, params, *args, **kwargs)
