@@ -229,6 +229,12 @@ def main() -> None:
     parser.add_argument("--engines", nargs="+", choices=ENGINES, default=ENGINES, help="CUDA suite's engines to run")
     parser.add_argument("--taps-mode", choices=("default", "piecewise"), default="default",
                         help="CUDA suite's taps engine: vLLM's default graph mode, or PIECEWISE graphs only")
+    parser.add_argument("--profile", type=Path,
+                        help="with --paired: py-spy's samples of each engine's core process over one more run of each "
+                             "workload, one collapsed-stack file per workload in this folder (needs py-spy on PATH)")
+    parser.add_argument("--paired", action="store_true",
+                        help="CUDA suite with plain vLLM and the vlenvoys engines up at once, runs interleaved in "
+                             "rounds: each ratio is the median of its rounds' ratios (results-TAG-paired.*)")
     args = parser.parse_args()
     if args.gpu or torch.cuda.is_available():
         cuda_suite(args)
@@ -459,6 +465,10 @@ SIZES: dict[str, dict[str, int]] = {
 }
 MAX_MODEL_LEN = 1024
 TOKENS = 64  # generated per prompt, every one steered
+# --paired: a longer generation (about 1.5 s of plain vLLM on an H200), and each engine's share of the GPU.
+PAIRED_PROMPTS, PAIRED_TOKENS, PAIRED_SHARE = 256, 128, 0.28
+# --profile: the workloads whose engine core py-spy samples.
+PROFILED = ["graphs.prefill", "vl.collect", "vl.trace", "vl.empty", "graphs.generate", "vg.generate", "vg.generate_steered"]
 PER_TRACE = 64  # invokes per trace, and collect's requests in flight
 TAPS = ["model.layers.*.output"]
 ENGINES = ["graphs", "eager", "vlenvoys", "vlgraphs", "raw", "taps"]
@@ -551,6 +561,35 @@ def steps_served(model, text, read, tokens=TOKENS) -> int:
     return len(seen)
 
 
+def core_pid(engine) -> int:
+    """The process id of an engine's core (where a one-GPU engine's worker runs too)."""
+    llm = engine.vllm_entrypoint if hasattr(engine, "vllm_entrypoint") else engine
+    return llm.llm_engine.engine_core.resources.engine_manager.processes[0].pid
+
+
+def profile(folder: Path, engines: dict, runs: dict[str, Callable[[], object]]) -> None:
+    """py-spy's samples of the engine core serving each run, as collapsed stacks in ``folder/KEY.txt``."""
+    import shutil
+    import subprocess
+
+    spy = shutil.which("py-spy")
+    if spy is None:
+        print("  profile: no py-spy on PATH, skipped", flush=True)
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    for key, run in runs.items():
+        pid = core_pid(engines[key.split(".")[0]])
+        out = folder / f"{key}.txt"
+        sampler = subprocess.Popen([spy, "record", "--pid", str(pid), "--subprocesses", "--rate", "250", "--format", "raw",
+                                    "--nonblocking", "--output", str(out), "--duration", "120"],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(1.0)  # py-spy attaches
+        run()
+        sampler.send_signal(2)  # SIGINT: py-spy writes what it sampled and exits
+        sampler.wait(30)
+        print(f"  profile: {out}", flush=True)
+
+
 def github_table(rows, headers) -> str:
     try:
         from tabulate import tabulate
@@ -567,6 +606,7 @@ class Board:
         self.md, self.json = out / f"results-{tag}.md", out / f"results-{tag}.json"
         self.header, self.repeats = header, repeats
         self.measured: dict[str, tuple[str, float, str]] = {}  # key -> (label, value, unit)
+        self.rounds: dict[str, list[float]] = {}  # key -> seconds of each round (paired runs)
         self.notes: list[str] = []
         self.engines: list[str] = []
         self.printed: set[str] = set()
@@ -592,6 +632,21 @@ class Board:
                 print(f"{name}: {row['ours_label']} {row['ours']:.4g} vs {row['baseline_label']} "
                       f"{row['baseline']:.4g} {row['unit']} (ratio {row['ratio']:.3f})", flush=True)
 
+    def measure_rounds(self, key: str, label: str, unit: str, amount: int, seconds: list[float]) -> None:
+        """``amount`` over the median of ``seconds``, one per round; rows between two such keys are paired."""
+        self.rounds[key] = list(seconds)
+        self.measured[key] = (label, amount / statistics.median(seconds), unit)
+        self.write()
+        print(f"  {key}: {label} {self.measured[key][1]:.4g} {unit} (rounds: "
+              f"{', '.join(f'{amount / each:.4g}' for each in seconds)})", flush=True)
+
+    def ratio(self, ours: str, base: str) -> float:
+        """The median over rounds of each round's ratio where both were measured in the same rounds, else of medians."""
+        paired = self.rounds.get(ours), self.rounds.get(base)
+        if paired[0] and paired[1] and len(paired[0]) == len(paired[1]):
+            return statistics.median(base_s / ours_s for ours_s, base_s in zip(*paired))
+        return self.measured[ours][1] / self.measured[base][1]
+
     def rows(self) -> dict[str, dict]:
         rows = {}
         for name, ours, base in CUDA_ROWS:
@@ -600,7 +655,7 @@ class Board:
                 rows[name] = {
                     "ours": value,
                     "baseline": baseline,
-                    "ratio": value / baseline,
+                    "ratio": self.ratio(ours, base),
                     "unit": unit,
                     "ours_label": ours_label,
                     "baseline_label": base_label,
@@ -630,7 +685,7 @@ class Board:
 
 
 def cuda_header(path: Path, config: dict, layers, steer_layer: int, counts: tuple[int, int], repeats: int,
-                taps_mode: str) -> str:
+                taps_mode: str, paired: bool = False, tokens: int = TOKENS) -> str:
     import nnsight
     import vllm
     from safetensors import safe_open
@@ -653,6 +708,18 @@ def cuda_header(path: Path, config: dict, layers, steer_layer: int, counts: tupl
         if name in os.environ
     )
     prefill, generate = counts
+    if paired:
+        how = (f"Medians over {repeats} rounds after a warm-up round; each round runs every workload of its group once, "
+               "and each row's ratio is the median of its rounds' ratios. Engines up at once in one process: plain "
+               f"vLLM with CUDA graphs, the vlenvoys engine and the graph engine, gpu_memory_utilization {PAIRED_SHARE} "
+               f"each, max_model_len {MAX_MODEL_LEN}, prefix caching off (repeats of the same prompts would otherwise "
+               "be served from it).")
+    else:
+        how = (f"Medians of {repeats} runs after a warm-up. Engines one at a time in one process, each shut down "
+               f"before the next: gpu_memory_utilization 0.5, max_model_len {MAX_MODEL_LEN}, prefix caching off "
+               f"(repeats of the same prompts would otherwise be served from it); nnsight's taps={TAPS} on "
+               + ("vLLM's default graph mode." if taps_mode == "default" else
+                  "PIECEWISE graphs only (--taps-mode piecewise)"))
     return "\n".join((
         f"Machine: {device}, {os.cpu_count()} cores, {memory:.0f} GiB; torch {torch.__version__}, "
         f"vLLM {vllm.__version__}, nnsight {nnsight.__version__}; vlenvoys-core {vlenvoys.__version__} at {checkout()}",
@@ -665,13 +732,10 @@ def cuda_header(path: Path, config: dict, layers, steer_layer: int, counts: tupl
         f"{parameters / 1e9:.3g}B parameters",
         "",
         f"Workloads: prefill = {prefill} prompts of 16-120 words, one token each (prompts/s); generation = {generate} "
-        f"prompts x {TOKENS} tokens, greedy, ignore_eos (tokens/s). Reads: layer_output (raw: hidden + residual, "
+        f"prompts x {tokens} tokens, greedy, ignore_eos (tokens/s). Reads: layer_output (raw: hidden + residual, "
         f"cloned) at layers {', '.join(map(str, layers))}; steering at layer {steer_layer}, every step; "
-        f"{PER_TRACE} invokes per trace, collect with its default requests in flight (the engine's max_num_seqs). Medians of {repeats} runs "
-        "after a warm-up. Engines one at a time in one process, each shut down before the next: "
-        f"gpu_memory_utilization 0.5, max_model_len {MAX_MODEL_LEN}, prefix caching off (repeats of the same "
-        f"prompts would otherwise be served from it); nnsight's taps={TAPS} on "
-        + ("vLLM's default graph mode." if taps_mode == "default" else "PIECEWISE graphs only (--taps-mode piecewise)"),
+        f"{PER_TRACE} invokes per trace, collect with its default requests in flight (the engine's max_num_seqs). "
+        + how,
         "",
         f"Environment for the engines: {environment or 'no vLLM variables set'}",
     ))
@@ -734,8 +798,13 @@ def cuda_suite(args) -> None:
     # vLLM's CPU engine would reserve a share of the machine's memory for its KV cache (vlenvoys.load sets its own).
     plain_args = engine_args | ({} if cuda else {"kv_cache_memory_bytes": vlenvoys.engine.CPU_KV_CACHE_BYTES})
 
+    if args.paired:
+        generate, tokens = prompts(PAIRED_PROMPTS // scale, 16, 120, seed=2), PAIRED_TOKENS // scale
+        repeats = args.repeats or 5
+    else:
+        tokens = TOKENS
     counts = (len(prefill), len(generate))
-    header = cuda_header(path, config, layers, steer_layer, counts, repeats, args.taps_mode)
+    header = cuda_header(path, config, layers, steer_layer, counts, repeats, args.taps_mode, args.paired, tokens)
     board = Board(args.out, args.tag, header, repeats)
     free = gpu_free_bytes()
 
@@ -860,6 +929,68 @@ def cuda_suite(args) -> None:
 
     from nnsight.modeling.vllm import VLLM
     from vllm import LLM, SamplingParams
+
+    def paired() -> None:
+        """Plain vLLM with CUDA graphs, the vlenvoys engine and the graph engine up at once; workloads in rounds.
+
+        The machine's speed drifts between runs minutes apart (plain vLLM's generation measured 14,220 and
+        19,600 tokens/s in two runs of one session), so each round runs every contender once, back to back,
+        and a row's ratio is the median of its rounds' ratios.
+        """
+        share = {"gpu_memory_utilization": PAIRED_SHARE} if cuda else {}
+        engines: dict[str, object] = {}
+        started = time.perf_counter()
+        try:
+            engines["graphs"] = LLM(str(path), **(plain_args | share))
+            engines["vl"] = vlenvoys.load(str(path), **(engine_args | share))
+            engines["vg"] = vlenvoys.load(str(path), cuda_graphs=True, **(engine_args | share))
+            print(f"  three engines up in {time.perf_counter() - started:.0f} s", flush=True)
+            plain_llm, vl, vg = engines["graphs"], engines["vl"], engines["vg"]
+            every_step = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+            steering = vlenvoys.Steering(steer_layer, vector)
+            half = [steering if number % 2 == 0 else None for number in range(len(generate))]
+
+            def steered(model, each):
+                return lambda: vlenvoys.generate(model, generate, every_step, steering=each, use_tqdm=False)
+
+            groups = [
+                ("prompts/s", len(prefill), {
+                    "graphs.prefill": ("plain vLLM graphs", lambda: requests(plain_llm, prefill, 1)),
+                    "vl.prefill": ("vlenvoys engine, plain", lambda: requests(vl.vllm_entrypoint, prefill, 1)),
+                    "vl.collect": ("vlenvoys collect", lambda: collect(vl, prefill, "layer_output", layers)),
+                    "vl.trace": ("vlenvoys trace", lambda: traced(vl, prefill, standard_reads, batch=PER_TRACE)),
+                    "vl.empty": ("vlenvoys trace, no reads", lambda: traced(vl, prefill, no_reads, batch=PER_TRACE)),
+                    "vg.prefill": ("vlenvoys graph engine, plain", lambda: requests(vg.vllm_entrypoint, prefill, 1)),
+                    "vg.collect": ("graph engine: vlenvoys collect", lambda: collect(vg, prefill, "layer_output", layers)),
+                }),
+                ("tokens/s", len(generate) * tokens, {
+                    "graphs.generate": ("plain vLLM graphs", lambda: requests(plain_llm, generate, tokens)),
+                    "vg.generate": ("vlenvoys graph engine, plain", lambda: requests(vg.vllm_entrypoint, generate, tokens)),
+                    "vg.generate_steered": ("graph engine: vlenvoys.generate, every request steered", steered(vg, steering)),
+                    "vg.generate_half": ("graph engine: vlenvoys.generate, every other request steered", steered(vg, half)),
+                    "vg.generate_none": ("graph engine: vlenvoys.generate, no request steered", steered(vg, None)),
+                    "vl.generate": ("vlenvoys engine, plain", lambda: requests(vl.vllm_entrypoint, generate, tokens)),
+                    "vl.generate_steered": ("vlenvoys.generate, every request steered", steered(vl, steering)),
+                }),
+            ]
+            for unit, amount, runs in groups:
+                rounds: list[dict[str, float]] = []
+                interleaved({key: run for key, (_, run) in runs.items()}, repeats, rounds)
+                for key, (label, _) in runs.items():
+                    board.measure_rounds(key, label, unit, amount, [measured[key] for measured in rounds])
+            if args.profile is not None:
+                every = {key: run for _, _, runs in groups for key, (_, run) in runs.items()}
+                profile(args.profile, engines, {key: every[key] for key in PROFILED})
+            board.engines.extend(["plain vLLM, CUDA graphs", "vlenvoys", "vlenvoys, CUDA graphs"])
+        finally:
+            for model in engines.values():
+                stop(model)
+        board.write(final=True)
+        print(f"\n{board.md.read_text()}\nwrote {board.md} and {board.json} in {time.perf_counter() - began:.0f} s")
+
+    if args.paired:
+        paired()
+        return
 
     # With vLLM's default FULL_AND_PIECEWISE, a pure decode step replays a FULL graph, which nnsight's taps do not
     # break (they break only vLLM's breakable PIECEWISE graphs); PIECEWISE alone puts every step through them.

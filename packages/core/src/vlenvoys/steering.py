@@ -316,6 +316,8 @@ class Steerer:
         #: eagerly, a block's hook runs only at steps that steer some row there.
         self.every_block = every_block
         self.active: set[int] = set()
+        #: One fused kernel per hook (`vlenvoys.kernels`) on CUDA devices; torch's operations elsewhere.
+        self.fused = device.type == "cuda" and _triton()
         if every_block:
             for block in range(self.blocks):
                 self._hook(block)
@@ -361,10 +363,17 @@ class Steerer:
             raise ValueError(f"layer_output of block {layer} is read at an input")
         module = _module_at(model, path)._module
         index, table, refused = self.index, self.table, self.refused
+        from . import kernels
 
         def steer(module: Any, args: Any, output: Any) -> Any:
             if not self.every_block and layer not in self.active:
                 return None
+            if self.fused:
+                halves = value.halves(envoy, output)
+                if halves is not None and kernels.fits(*halves):
+                    # One launch, in place; unsteered rows are not touched (see `vlenvoys.kernels`).
+                    kernels.steer_rows(*halves, table, index, refused, layer)
+                    return None
             current = value.pick(envoy, output)
             rows = index[: current.shape[0], layer]
             added = current + table.index_select(0, rows)
@@ -458,6 +467,14 @@ class Steerer:
         with torch.inference_mode():  # the counts were made in a step, under it
             self._settle()
         return {request: self.failed.pop(request) for request in requests if request in self.failed}
+
+
+def _triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _module_at(model: Any, path: str) -> Any:

@@ -393,6 +393,20 @@ class Flat(Located):
             return type(raw)((*raw[:index], new, *raw[index + 1 :]))
         return new
 
+    def halves(self, obj: Any, raw: Any) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The model's tensors whose sum `pick` reads, for an edit made in place: ``(written, other or None)``.
+
+        An edit in place goes to the first (the value reads ``written + other``,
+        and `place` puts a change on ``written``). None where the value is not
+        such a plain sum (a scaled value).
+        """
+        if self._scale(obj) != 1.0:
+            return None
+        slot = self._slot(obj)
+        if self.key.endswith("input"):
+            return argument(raw, slot if slot is not None else (0, "")), None
+        return (raw[slot or 0] if isinstance(raw, (tuple, list)) else raw), None
+
     # -- nnsight's three callbacks -------------------------------------------
 
     def _read(self, obj: Any, raw: Any) -> torch.Tensor:
@@ -440,6 +454,9 @@ class _Summed(Flat):
     def _fresh(self, obj: Any, raw: Any) -> bool:
         return argument(raw, self._residual(obj)) is not None
 
+    def halves(self, obj: Any, raw: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return argument(raw, self._slot(obj)), argument(raw, self._residual(obj))
+
     def place(self, obj: Any, raw: Any, new: torch.Tensor, current: torch.Tensor) -> Any:
         slot = self._slot(obj)
         hidden = argument(raw, slot)
@@ -478,6 +495,9 @@ class _SummedOutput(Flat):
 
     def pick(self, obj: Any, raw: Any) -> torch.Tensor:
         return raw[0] + raw[1]
+
+    def halves(self, obj: Any, raw: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return raw[0], raw[1]
 
     def _fresh(self, obj: Any, raw: Any) -> bool:
         return True

@@ -43,6 +43,31 @@ def instrument_sources(model: Any) -> None:
                 break
 
 
+def track_only_nnsight_work(requests: Any) -> None:
+    """Worker side: nnsight's runner tracks a request only where it can have nnsight work.
+
+    nnsight's ``Requests.add`` makes an entry for every new request, traced or
+    not, and each step walks all of them twice (``scope``, ``record_saves``)
+    until they finish: with hundreds of plain, collected or steered requests in
+    flight that is Python work on every step of the engine core, which is the
+    bottleneck of a decode step that replays a CUDA graph. A request that
+    carries no block and names no edits, while no edit is installed, has
+    nothing for nnsight to run or keep, and its entry would be dropped
+    unread when it finishes; it is not made. ``requests`` is the runner's
+    ``nnsight_requests``; its ``add`` is wrapped.
+    """
+    from ..stepping import carries_nnsight_work
+
+    add = requests.add
+
+    def add_tracked(new_requests: list, persistent_objects: dict) -> None:
+        if not requests.templates:
+            new_requests = [data for data in new_requests if carries_nnsight_work(data.sampling_params)]
+        add(new_requests, persistent_objects)
+
+    requests.add = add_tracked
+
+
 class SplicingBatcher(VLLMBatcher):
     """nnsight's vLLM batcher, without the copy when a block hands back its own rows unchanged.
 
@@ -406,6 +431,7 @@ class StandardRunner:
 
         # Registrations vlenvoys.collect installs run only on the requests that name them.
         serve_private_edits(self.nnsight_requests)
+        track_only_nnsight_work(self.nnsight_requests)
         send_back_what_can_be_sent(self)
 
         backend = type(self.get_model()).__name__.startswith("Transformers")
