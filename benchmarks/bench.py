@@ -578,16 +578,20 @@ def profile(folder: Path, engines: dict, runs: dict[str, Callable[[], object]]) 
         return
     folder.mkdir(parents=True, exist_ok=True)
     for key, run in runs.items():
-        pid = core_pid(engines[key.split(".")[0]])
-        out = folder / f"{key}.txt"
-        sampler = subprocess.Popen([spy, "record", "--pid", str(pid), "--subprocesses", "--rate", "250", "--format", "raw",
-                                    "--nonblocking", "--output", str(out), "--duration", "120"],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # The engine core (and its worker processes), and this process: the client's side of the run.
+        sampled = {"core": (core_pid(engines[key.split(".")[0]]), ["--subprocesses"]), "client": (os.getpid(), [])}
+        samplers = [
+            subprocess.Popen([spy, "record", "--pid", str(pid), *extra, "--rate", "250", "--format", "raw", "--nonblocking",
+                              "--output", str(folder / f"{key}.{side}.txt"), "--duration", "120"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for side, (pid, extra) in sampled.items()
+        ]
         time.sleep(1.0)  # py-spy attaches
         run()
-        sampler.send_signal(2)  # SIGINT: py-spy writes what it sampled and exits
-        sampler.wait(30)
-        print(f"  profile: {out}", flush=True)
+        for sampler in samplers:
+            sampler.send_signal(2)  # SIGINT: py-spy writes what it sampled and exits
+            sampler.wait(30)
+        print(f"  profile: {folder}/{key}.*.txt", flush=True)
 
 
 def github_table(rows, headers) -> str:
