@@ -169,3 +169,41 @@ def test_saves_in_shared_memory_come_back_equal_and_hold_their_block_until_loade
     finally:
         arena.close()
     assert not [entry for entry in os.listdir(handover.SHARED_MEMORY) if entry.startswith(f"vlenvoys-test-saves-{os.getpid()}")]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="registers the mapping with CUDA"))])
+def test_the_client_keeps_one_mapping_per_file_and_drops_it_with_the_file(device):
+    """Saves in shared memory are read through one mapping per engine file, kept across traces, dropped once
+    the file is gone; on a CUDA device the mapping is registered and the copies go straight from it."""
+    import os
+    import pickle
+
+    from vlenvoys import handover
+    from vlenvoys.handover import SAVES_MAPS, Arena
+    from vlenvoys.workers import dumps_saves
+
+    if not os.access(handover.SHARED_MEMORY, os.W_OK):
+        pytest.skip(f"{handover.SHARED_MEMORY} is not writable here")
+    SAVES_MAPS.forget()
+    arena = Arena(f"test-maps-{os.getpid()}", device_copies=device == "cuda")
+    try:
+        sent = [{"rows": torch.randn(300 + seed, 64, device=device), "seed": seed} for seed in range(4)]
+        for seed, saves in enumerate(sent):
+            back = pickle.loads(dumps_saves(saves, arena))
+            assert back["rows"].device == saves["rows"].device and torch.equal(back["rows"], saves["rows"]), seed
+            if seed == 0:
+                (path, mapping), = SAVES_MAPS.maps.items()
+        assert len(arena.chunks) == 1 and SAVES_MAPS.maps == {path: mapping}, "one mapping, kept from load to load"
+        if device == "cuda":
+            assert mapping.pinned in (True, None)  # registered, or refused and staged instead: equal either way
+    finally:
+        arena.close()
+    other = Arena(f"test-maps-{os.getpid()}-2", device_copies=False)
+    try:
+        pickle.loads(dumps_saves({"rows": torch.randn(8)}, other))
+        assert path not in SAVES_MAPS.maps, "the mapping of a file the worker removed is dropped"
+    finally:
+        other.close()
+        SAVES_MAPS.forget()
+    assert not SAVES_MAPS.maps

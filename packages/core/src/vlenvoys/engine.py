@@ -694,9 +694,10 @@ def shutdown(model: VLLM) -> None:
             # vLLM names each worker process before it kills it, and one that exits in between raises
             # (seen in CI, on a loaded machine): finish what its shutdown left.
             _stop_leftovers(core)
-    from .handover import sweep
+    from .handover import SAVES_MAPS, sweep
 
     sweep()  # collected rows' files of a worker that was killed before it removed them
+    SAVES_MAPS.drop_stale()  # this process's mappings of the engine's trace saves: their files are gone now
     model.vllm_entrypoint = None
     model._shut_down = True
 

@@ -316,6 +316,10 @@ class Steerer:
         #: eagerly, a block's hook runs only at steps that steer some row there.
         self.every_block = every_block
         self.active: set[int] = set()
+        #: The last step's (spans, steered requests, `changes`) whose plan the device holds, and its blocks.
+        self.planned: tuple | None = None
+        self.planned_active: set[int] = set()
+        self.changes = 0  # counts requests admitted, retired and refused: a plan of the same spans may differ
         #: One fused kernel per hook (`vlenvoys.kernels`) on CUDA devices; torch's operations elsewhere.
         self.fused = device.type == "cuda" and _triton()
         if every_block:
@@ -351,6 +355,7 @@ class Steerer:
         self.mask[slot, layers] = 1
         self.owner[slot] = request
         self.requests[request] = (slot, layers, positions)
+        self.changes += 1
 
     def _hook(self, layer: int) -> None:
         if layer in self.hooked:
@@ -394,6 +399,7 @@ class Steerer:
             entry = self.requests.pop(request, None)
             if entry is not None:
                 self.retired.append(entry[0])
+                self.changes += 1
         for data in scheduler_output.scheduled_new_reqs:
             spec = (getattr(data.sampling_params, "extra_args", None) or {}).get(KEY)
             if spec is not None:
@@ -401,9 +407,17 @@ class Steerer:
         self.steps += 1
         if self.steps % SETTLE_EVERY == 0:
             self._settle()
+        key = (spans, len(self.requests), self.changes)
+        if key == self.planned:
+            # The same rows of the same requests as the last step (a decode step of an unchanged batch), none
+            # steered at some positions only: the device holds this step's plan already.
+            self.active = self.planned_active
+            return
         steered = [(start, count, request) for request, start, count in spans if request in self.requests]
         self.active = set()
+        self.planned, self.planned_active = None, self.active
         if not steered and not self.written:
+            self.planned = key
             return  # the device's plan is all zeros already
         total = spans[-1][1] + spans[-1][2] if spans else 0
         width = max(total, self.written)
@@ -431,6 +445,8 @@ class Steerer:
         if self.copied[self.turn] is not None:
             self.copied[self.turn].record()
         self.written = total if steered else 0
+        if all(self.requests[request][2] is None for _, _, request in steered):
+            self.planned = key  # a plan by positions changes with every step
 
     def _staging(self) -> torch.Tensor:
         self.turn = (self.turn + 1) % len(self.staging)
@@ -455,6 +471,7 @@ class Steerer:
                 self.failed.setdefault(_stem(request), REFUSED)
                 if self.requests.pop(request, None) is not None:  # unsteered from here on
                     self.retired.append(slot)
+                    self.changes += 1
         if any(counts):
             self.refused.zero_()
         for slot in self.retired:
