@@ -118,6 +118,13 @@ FAULTS = {
     "device": lambda model, hidden: setattr(model.layers[1], "layer_mid", torch.zeros(1, 3, hidden, device="meta")),
     "exception in the block": lambda model, hidden: (model.layers[1].layer_output.save(), 1 / 0),
     "unavailable value": lambda model, hidden: model.layers[1].mlp.mlp_activation.save(),
+    # A token outside the vocabulary ended the engine at the next step's embedding lookup (its request goes on).
+    "token past the vocabulary": lambda model, hidden: setattr(model, "samples", model.samples + 10**6),
+    "negative token": lambda model, hidden: setattr(model, "samples", model.samples - 10**6),
+    "token edited in place": lambda model, hidden: model.samples.fill_(-1),
+    "float tokens": lambda model, hidden: setattr(model, "samples", model.samples.float()),
+    "NaN logits": lambda model, hidden: setattr(model, "logits", model.logits * float("nan")),
+    "logits of another shape": lambda model, hidden: setattr(model, "logits", model.logits[:, :7]),
 }
 RAISED = {
     "token count": (vlenvoys.InvalidWrite, r"layer_output: expected shape \[1, 3, "),
@@ -126,6 +133,12 @@ RAISED = {
     "device": (vlenvoys.InvalidWrite, "layer_mid: expected a tensor on .+, got one on meta, which holds no data"),
     "exception in the block": (ZeroDivisionError, "division by zero"),
     "unavailable value": (vlenvoys.Unavailable, "mlp_activation is unavailable"),
+    "token past the vocabulary": (vlenvoys.InvalidWrite, r"model.samples: token ids must be in \[0, \d+\)"),
+    "negative token": (vlenvoys.InvalidWrite, r"model.samples: token ids must be in \[0, \d+\)"),
+    "token edited in place": (vlenvoys.InvalidWrite, r"model.samples: token ids must be in \[0, \d+\)"),
+    "float tokens": (vlenvoys.InvalidWrite, "model.samples: expected integer token ids, got torch.float32"),
+    "NaN logits": (vlenvoys.InvalidWrite, r"model.logits: NaN or \+inf entries"),
+    "logits of another shape": (vlenvoys.InvalidWrite, r"model.logits: expected shape \[1, \d+\], got \[1, 7\]"),
 }
 
 
@@ -147,6 +160,66 @@ def test_a_faulty_request_ends_alone(subject, fault):
     assert good is not None and same_rows(good, alone, subject)
     (_, again), = run(model, [neighbour])
     assert torch.equal(again, alone), "the engine must go on serving"
+
+
+#: Where a call is interrupted: (the synchronous engine's method that raises KeyboardInterrupt, at which call of it).
+INTERRUPTS = {"while its requests are added": ("add_request", 2), "at its first step": ("step", 1), "at a later step": ("step", 4)}
+
+
+@pytest.mark.parametrize("subject", ["LlamaForCausalLM"], indirect=True)
+@pytest.mark.parametrize("where", list(INTERRUPTS))
+@pytest.mark.parametrize("call", ["trace", "vlenvoys.generate"])
+def test_an_interrupted_call_leaves_nothing_running(subject, monkeypatch, where, call):
+    """Ctrl-C at any point of a trace or a steered generation: its requests are aborted and their blocks wound up."""
+    from vllm import SamplingParams
+
+    model, prompts, steps = subject.model, subject.prompts[:3], 40
+    engine = model.vllm_entrypoint.llm_engine
+    (_, alone), = run(model, [prompts[0]])
+    method, at = INTERRUPTS[where]
+    original, calls = getattr(type(engine), method), []
+
+    def interrupted(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == at:
+            raise KeyboardInterrupt
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(engine), method, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        if call == "trace":
+            with model.trace(temperature=0.0, max_tokens=steps, ignore_eos=True) as tracer:
+                for prompt in prompts:
+                    with tracer.invoke(prompt):
+                        streams = list().save()
+                        for _ in tracer.iter[0:steps]:
+                            streams.append(model.layers[1].layer_output)
+        else:
+            steering = vlenvoys.Steering(1, torch.ones(subject.hidden_size))
+            vlenvoys.generate(model, prompts, SamplingParams(max_tokens=steps, ignore_eos=True), steering=steering,
+                              use_tqdm=False)
+    monkeypatch.undo()
+    assert engine.get_num_unfinished_requests() == 0, "the interrupted call's requests must not run on"
+    assert engine.collective_rpc("nnsight_request_count") == [0], "their blocks must be wound up on the worker"
+    (_, again), = run(model, [prompts[0]])
+    assert torch.equal(again, alone), "the engine must go on serving"
+
+
+@pytest.mark.parametrize("subject", ["LlamaForCausalLM"], indirect=True)
+def test_forced_tokens_and_masked_logits_reach_the_engine(subject):
+    """The checks on ``model.samples`` and ``model.logits`` pass what the engine can take, edited or assigned."""
+    model, prompt, steps = subject.model, subject.prompts[1], 3
+    with model.trace(prompt, temperature=0.0, max_tokens=steps) as tracer:
+        for _ in tracer.iter[0:steps]:
+            model.samples = torch.full_like(model.samples, 7)
+        forced = tracer.result.save()
+    assert list(forced.outputs[0].token_ids) == [7] * steps
+    with model.trace(prompt, temperature=0.0, max_tokens=1):
+        drawn = model.samples.save()
+    with model.trace(prompt, temperature=0.0, max_tokens=1):
+        model.logits[0, int(drawn.reshape(-1)[0])] = float("-inf")  # in place: that token is masked out
+        masked = model.samples.save()
+    assert int(masked.reshape(-1)[0]) != int(drawn.reshape(-1)[0])
 
 
 @pytest.mark.parametrize("subject", ["LlamaForCausalLM"], indirect=True)

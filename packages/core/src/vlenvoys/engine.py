@@ -16,10 +16,10 @@ from nnsight.modeling.vllm import VLLM
 from nnsight.modeling.vllm.envoys import parallel_envoys
 
 from .envoys import block_index
-from .errors import reraise
+from .errors import InvalidWrite, reraise
 from .family import Architecture, InstalledFamily, resolve
 from .parallel import gather_vocab
-from .values import Derived, Residual, argument
+from .values import Checked, Derived, Residual, argument
 
 __all__ = ["StandardizedVLLM", "load", "on_transformers_backend"]
 
@@ -117,6 +117,12 @@ class StandardizedVLLM(VLLM):
             for envoy in envoys:
                 envoy.__dict__.pop("_persistent_id", None)
 
+    def _call(self, prompts: list, params: list, lora_requests: list, **kwargs: Any) -> Any:
+        from .stepping import abandoned_on_error
+
+        with abandoned_on_error(self):  # an interrupted trace leaves nothing running on the engine
+            return super()._call(prompts, params, lora_requests, **kwargs)
+
     def _batch(self, invokes: list[tuple], fn: Any) -> tuple:
         (prompts, params, lora_requests), kwargs = super()._batch(invokes, fn)
         return ([salted(prompt, "trace") for prompt in prompts], params, lora_requests), kwargs
@@ -158,6 +164,32 @@ class StandardizedVLLM(VLLM):
             raise
         finally:
             nnsight_collect.merge_shared_saves = own
+
+    @Checked("logits", lambda model, value, raw: _checked_logits(value, raw),
+             description="pre-sampling logits for this step")
+    def logits(self, value: Any) -> torch.Tensor:
+        """This request's logits at the step, ``[1, vocab]``, before sampling: nnsight's ``model.logits``.
+
+        A private copy; an edit, or an assignment, is the step's logits for
+        this request. A written value must have the served shape and a float
+        dtype (it is cast to the engine's) with no NaN or ``+inf`` entries
+        (``-inf`` masks a token out); otherwise `InvalidWrite`, and the
+        engine samples from its own logits.
+        """
+        return value
+
+    @Checked("samples", lambda model, value, raw: _checked_samples(model, value, raw),
+             description="token ids drawn from logits this step")
+    def samples(self, value: Any) -> torch.Tensor:
+        """The token ids drawn for this request at the step: nnsight's ``model.samples``.
+
+        A private copy; an edit, or an assignment, is the token the request
+        goes on from. A written value must have the served shape and integer
+        ids in ``[0, vocab_size)``; otherwise `InvalidWrite` (an id outside
+        the vocabulary ended the engine at the next step's embedding lookup),
+        and the engine keeps the token it drew.
+        """
+        return value
 
     @property
     def EMBEDDING(self) -> str:
@@ -447,6 +479,33 @@ class LayerValues:
 
     def __len__(self) -> int:
         return self.model.num_layers
+
+
+def _checked_logits(value: Any, raw: torch.Tensor) -> torch.Tensor:
+    from .values import checked_tensor
+
+    value = checked_tensor("model.logits", value, raw)
+    if not value.is_floating_point():
+        raise InvalidWrite(f"model.logits: expected a float tensor, got {value.dtype}")
+    value = value.to(raw.dtype)
+    if bool((torch.isnan(value) | (value == float("inf"))).any()):
+        raise InvalidWrite("model.logits: NaN or +inf entries cannot be sampled from (-inf masks a token out)")
+    return value
+
+
+def _checked_samples(model: Any, value: Any, raw: torch.Tensor) -> torch.Tensor:
+    from .values import checked_tensor
+
+    value = checked_tensor("model.samples", value, raw)
+    if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+        raise InvalidWrite(f"model.samples: expected integer token ids, got {value.dtype}")
+    vocab = model.vocab_size
+    if bool(((value < 0) | (value >= vocab)).any()):
+        raise InvalidWrite(
+            f"model.samples: token ids must be in [0, {vocab}) (the vocabulary), got "
+            f"{int(value.min())}..{int(value.max())}; the request keeps the token the engine drew"
+        )
+    return value.to(raw.dtype)
 
 
 def salted(prompt: Any, kind: str) -> Any:

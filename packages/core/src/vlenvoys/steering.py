@@ -225,7 +225,10 @@ def generate(
             inputs.append({"prompt": prompt, **options})
         else:
             inputs.append(TokensPrompt(prompt_token_ids=prompt, **options))
-    outputs = model.vllm_entrypoint.generate(inputs, per_request, use_tqdm=use_tqdm)
+    from .stepping import abandoned_on_error
+
+    with abandoned_on_error(model):  # an interrupted call leaves nothing running on the engine
+        outputs = model.vllm_entrypoint.generate(inputs, per_request, use_tqdm=use_tqdm)
     if encoded:
         _raise_failures(model, outputs)
     return outputs

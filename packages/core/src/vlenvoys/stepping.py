@@ -19,14 +19,16 @@ forget them off the scheduler's finished set (nnsight's ``Requests.harvest``).
 
 from __future__ import annotations
 
+import contextlib
 import pickle
+from collections.abc import Iterator
 from typing import Any
 
 from nnsight.modeling.vllm.engines.engine import NNsightLLMEngine, attach, merge_collected
 from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.engine.llm_engine import LLMEngine
 
-__all__ = ["StandardLLMEngine", "carries_nnsight_work"]
+__all__ = ["StandardLLMEngine", "abandoned_on_error", "carries_nnsight_work"]
 
 
 def _nothing() -> dict:
@@ -94,3 +96,38 @@ class StandardLLMEngine(NNsightLLMEngine):
             elif (entry := collected.get(output.request_id)) is not None:
                 attach(output, entry)
         return outputs
+
+
+@contextlib.contextmanager
+def abandoned_on_error(model: Any) -> Iterator[None]:
+    """Around a synchronous call that adds requests and steps the engine: on any error, abort what it left.
+
+    An error or an interrupt (Ctrl-C) between vLLM's adding a call's requests
+    and their last step leaves them in the engine, which the next call then
+    steps to the end as its own: a trace of 900-token requests interrupted at
+    once ran all 900 steps inside the next trace, and its blocks' state and
+    saved values stayed on the worker. The synchronous engine has one caller
+    at a time, so whatever is in flight when the error reaches here is the
+    call's: it is aborted, and the blocks of those requests are wound up by
+    name and their saves loaded and dropped (which frees the worker's shared
+    memory they sit in). The error goes on up.
+    """
+    try:
+        yield
+    except BaseException:
+        engine = model.vllm_entrypoint.llm_engine if model.vllm_entrypoint is not None else None
+        states = getattr(getattr(engine, "output_processor", None), "request_states", None) or {}
+        left = sorted({state.external_req_id for state in states.values()})
+        if left:
+            edits, ours = getattr(engine, "vlenvoys_edits", None), getattr(engine, "vlenvoys_carrying", set())
+            carrying = [request for request in left if edits or request in ours]
+
+            def abort() -> None:
+                engine.abort_request(left)
+                if carrying:
+                    merge_collected(engine.collective_rpc("collect_nnsight", args=(carrying, carrying)))
+
+            from .collect import _clean_up
+
+            _clean_up(model, abort, quietly=True)
+        raise

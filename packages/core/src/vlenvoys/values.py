@@ -22,6 +22,7 @@ from nnsight.intervention.interleaver import Mediator
 from .errors import InvalidWrite, ReadOnly, Unavailable
 
 __all__ = [
+    "Checked",
     "Derived",
     "Flat",
     "Heads",
@@ -252,6 +253,51 @@ class Located(eproperty):
             reason = self.dynamic(obj, self._location(obj))
         if reason is not None:
             raise Unavailable(self.name, type(obj).__name__, reason)
+
+
+class Checked(eproperty):
+    """A value of the run outside any module (nnsight's ``logits``, ``samples``), served as a private copy.
+
+    An edit of the copy, or an assignment, reaches the engine only through
+    ``check(envoy, value, raw) -> value``, which raises `InvalidWrite` for a
+    value the engine cannot take (a token id outside the vocabulary ended the
+    engine, and every request in it, at the next step's embedding); the
+    engine then keeps its own value and the error is the block's alone.
+    """
+
+    def __init__(self, key: str, check: Callable[[Any, Any, Any], Any], *, description: str | None = None) -> None:
+        super().__init__(key=key, description=description)
+        self.check = check
+
+    def __call__(self, stub: Callable) -> "Checked":
+        super().__call__(stub)
+        self._preprocess = self._read
+        self._transform = self._write_back
+        return self
+
+    def _read(self, obj: Any, raw: torch.Tensor) -> torch.Tensor:
+        with _outside_inference():  # keeps a version counter, for `edited`
+            return _versioned(raw.clone())
+
+    def _write_back(self, obj: Any, view: torch.Tensor, raw: Any) -> Any:
+        return self.check(obj, view, raw) if edited(view) else raw
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        location = self._location(obj)
+        Mediator.swap(location, self.check(obj, value, Mediator.value(location)))
+
+
+def checked_tensor(name: str, value: Any, raw: torch.Tensor) -> torch.Tensor:
+    """``value`` as the engine holds ``raw``: a tensor of its shape, on its device; TypeError-free checks.
+
+    Raises:
+        InvalidWrite: not a tensor, or another shape.
+    """
+    if not isinstance(value, torch.Tensor):
+        raise InvalidWrite(f"{name}: expected a tensor of shape {list(raw.shape)}, got {type(value).__name__}")
+    if value.shape != raw.shape:
+        raise InvalidWrite(f"{name}: expected shape {list(raw.shape)}, got {list(value.shape)}")
+    return value.to(raw.device)
 
 
 class Derived(Located):
