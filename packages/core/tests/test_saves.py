@@ -207,3 +207,32 @@ def test_the_client_keeps_one_mapping_per_file_and_drops_it_with_the_file(device
         other.close()
         SAVES_MAPS.forget()
     assert not SAVES_MAPS.maps
+
+
+def test_saves_too_large_for_a_message_fail_their_request_alone(monkeypatch):
+    """Where shared memory has no room, a request's saves past `message_bytes` lose their largest values, each
+    the request's error naming it; its smaller values and the other requests' saves come back."""
+    import pickle
+
+    from nnsight.modeling.vllm.model_runners import GPUModelRunner as runner_module
+
+    from vlenvoys import workers
+
+    workers.send_back_what_can_be_sent(None)  # no runner, no arena: every block goes in the message
+    monkeypatch.setattr(workers, "message_bytes", lambda: 3000)
+
+    def entry(**saves):
+        return {"saves": saves, "error": None, "registered": {}, "sequences": {}}
+
+    collected = {
+        "big": entry(rows=torch.zeros(1000), kept=torch.arange(5), step=3),  # 4,000 bytes of rows: over the bound
+        "fine": entry(rows=torch.ones(100)),
+    }
+    back = pickle.loads(runner_module.dumps_compact(collected))
+    error = back["big"]["error"]
+    assert error is not None and "the saved variable 'rows' (torch.Tensor) cannot be sent back" in str(error)
+    assert "GiB of tensors" in str(error) and "vlenvoys.collect" in str(error)
+    assert set(back["big"]["saves"]) == {"kept", "step"} and torch.equal(back["big"]["saves"]["kept"], torch.arange(5))
+    assert back["fine"]["error"] is None and torch.equal(back["fine"]["saves"]["rows"], torch.ones(100))
+    with pytest.raises(workers.SavesTooLarge):
+        workers.dumps_saves({"rows": torch.zeros(1000)})

@@ -11,6 +11,7 @@ installed there, right after the model loads, on the same interleaver.
 from __future__ import annotations
 
 import io
+import os
 import pickle
 from typing import Any
 
@@ -172,7 +173,10 @@ def send_back_what_can_be_sent(runner: Any = None) -> None:
     ``with tracer.iter[:] as step``) raised there, in the engine's RPC, and the
     engine died with every request in it. Pickling is retried value by value:
     what will not go is dropped and becomes that request's error, a TypeError
-    naming the saved variable and its type.
+    naming the saved variable and its type. So are saves too large to send:
+    where shared memory has no room for them, the largest values go until the
+    rest fits `message_bytes` (gigabytes of bytes copied through the engine's
+    messages put the memory of the engine every request shares at risk).
 
     With ``runner`` (the worker's model runner), the tensors' data goes
     through the runner's shared-memory arena (`dumps_saves`).
@@ -192,28 +196,50 @@ def send_back_what_can_be_sent(runner: Any = None) -> None:
 
         return worker_arena(_SENDING["runner"])
 
+    def refuse(entry: dict, name: str, value: Any, why: str) -> None:
+        if entry.get("error") is None:
+            entry["error"] = capture_exception(TypeError(
+                f"the saved variable {name!r} ({_type_name(value)}) cannot be sent back from the engine: {why}"
+            ))
+
+    def drop_unpicklable(collected: dict) -> None:
+        """Value by value: what will not pickle goes, its request's error (only the pickling is tried)."""
+        for entry, bucket, name, value in _saved_values(collected):
+            try:
+                _tensors_of(value)
+            except Exception as error:
+                del bucket[name]
+                why = _why_unsendable(value, error, _tensors_of)
+                refuse(entry, name, value, f"{why}; save tensors, numbers, strings or containers of them")
+
+    def drop_largest(collected: dict) -> None:
+        """The largest saved values go, each its request's error, until the rest may travel in a message."""
+        saved = sorted(_saved_values(collected), key=lambda item: -_tensor_bytes(item[3]))
+        total, limit = sum(_tensor_bytes(item[3]) for item in saved), message_bytes()
+        for entry, bucket, name, value in saved:
+            if total <= limit:
+                return
+            size = _tensor_bytes(value)
+            del bucket[name]
+            total -= size
+            refuse(entry, name, value, (
+                f"it holds {size / 2**30:.3g} GiB of tensors; shared memory had no room for this trace's saves "
+                f"({_free_shared_memory() / 2**30:.3g} GiB free in /dev/shm), and through the engine's messages they "
+                f"may take at most {limit / 2**30:.3g} GiB (`vlenvoys.workers.message_bytes`): save less (a slice, "
+                "fewer positions), or read many prompts with vlenvoys.collect"
+            ))
+
     def dumps_what_can_be_sent(collected: dict) -> bytes:
-        try:
-            return dumps(collected, arena())
-        except Exception:
-            pass
-        for entry in collected.values():
-            buckets = [entry["saves"], entry["registered"]]
-            for sequence in entry.get("sequences", {}).values():
-                buckets += [sequence["saves"], sequence["registered"]]
-            for bucket in buckets:
-                for name, value in list(bucket.items()):
-                    try:
-                        dumps(value)
-                    except Exception as error:
-                        del bucket[name]
-                        if entry.get("error") is None:
-                            entry["error"] = capture_exception(TypeError(
-                                f"the saved variable {name!r} ({_type_name(value)}) cannot be sent back from the "
-                                f"engine: {_why_unsendable(value, error, dumps)}; save tensors, numbers, strings "
-                                "or containers of them"
-                            ))
-        return dumps(collected, arena())  # the probes above went as bytes: a probe's block is never read
+        for attempt in range(2):
+            try:
+                return dumps(collected, arena())
+            except SavesTooLarge:
+                drop_largest(collected)
+            except Exception:
+                if attempt:
+                    raise
+                drop_unpicklable(collected)
+        return dumps(collected, arena())
 
     dumps_what_can_be_sent.vlenvoys = True
     runner_module.dumps_compact = dumps_what_can_be_sent
@@ -262,6 +288,8 @@ def dumps_saves(value: Any, arena: Any = None) -> bytes:
     if shared is not None:
         block, where = shared
         queued = bool(devices) and arena.device_copies  # its chunks are page-locked (or the copy waits anyway)
+    elif offset > message_bytes():
+        raise SavesTooLarge(f"{offset} bytes of tensors, and shared memory has no room for them")
     else:
         # Page-locked, the copies are queued; torch's host allocator keeps such a block for reuse, so only small ones.
         queued = bool(devices) and offset <= PINNED_BYTES
@@ -354,6 +382,58 @@ class _Packed:
 
     def __reduce__(self) -> tuple:
         return unpacked, self.args
+
+
+def _saved_values(collected: dict) -> list[tuple[dict, dict, str, Any]]:
+    """Every saved value of a collect call's entries: (its request's entry, its bucket, its name, the value)."""
+    found = []
+    for entry in collected.values():
+        buckets = [entry["saves"], entry["registered"]]
+        for sequence in entry.get("sequences", {}).values():
+            buckets += [sequence["saves"], sequence["registered"]]
+        found += [(entry, bucket, name, value) for bucket in buckets for name, value in bucket.items()]
+    return found
+
+
+def _tensors_of(value: Any) -> list[torch.Tensor]:
+    """The plain tensors `dumps_saves` would put in its block for ``value``, pickling the rest (which may raise)."""
+    tensors: list[torch.Tensor] = []
+    _SavesPickler(io.BytesIO(), tensors).dump(value)
+    return tensors
+
+
+def _tensor_bytes(value: Any) -> int:
+    try:
+        return sum(tensor.numel() * tensor.element_size() for tensor in _tensors_of(value))
+    except Exception:
+        return 0
+
+
+class SavesTooLarge(ValueError):
+    """A trace's saves too large to send back through the engine's messages (see `message_bytes`)."""
+
+
+def message_bytes() -> int:
+    """The most bytes of tensors a request's saves may send in the engine's messages: an eighth of the memory free.
+
+    Saves that shared memory cannot hold travel in vLLM's messages, copied
+    about three times on the way (the worker's block, the message, the
+    client's copy); past this bound they would risk the memory of the engine
+    that every other request shares, so they are refused (`SavesTooLarge`).
+    """
+    import psutil
+
+    return psutil.virtual_memory().available // 8
+
+
+def _free_shared_memory() -> int:
+    from ..handover import SHARED_MEMORY
+
+    try:
+        room = os.statvfs(SHARED_MEMORY)
+    except OSError:
+        return 0
+    return room.f_bavail * room.f_frsize
 
 
 #: The largest block `dumps_saves` page-locks (a larger one is filled by waiting copies).
