@@ -451,10 +451,31 @@ def test_soak_three_hundred_requests(subject):
 
 @pytest.fixture(scope="module")
 def async_engine(tmp_path_factory):
-    """A tiny Llama on vLLM's async engine, where an untraced request can run beside a traced one."""
+    """A tiny Llama on vLLM's async engine, where an untraced request can run beside a traced one.
+
+    Its tests run their coroutines on one event loop (`on_the_engine_loop`): vLLM's async engine
+    serves the loop it first ran on, and waits forever on any later one.
+    """
+    import asyncio
+
     path = testing.tiny_model("LlamaForCausalLM", tmp_path_factory.mktemp("async"))
+    loop = asyncio.new_event_loop()
     with oracle.engine(str(path), mode="async") as model:
+        _LOOPS[id(model)] = loop  # not an attribute: an envoy given one travels to the worker whole, loop and all
         yield model
+        _LOOPS.pop(id(model))
+    pending = asyncio.all_tasks(loop)  # the engine's output handler: cancelled, as asyncio.run would
+    for task in pending:
+        task.cancel()
+    loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+    loop.close()
+
+
+_LOOPS: dict = {}
+
+
+def on_the_engine_loop(model, coroutine):
+    return _LOOPS[id(model)].run_until_complete(coroutine)
 
 
 def test_a_plain_request_sharing_the_step_is_untouched(async_engine):
@@ -486,7 +507,7 @@ def test_a_plain_request_sharing_the_step_is_untouched(async_engine):
     async def scenario():
         return await plain_alone(), await side_by_side(False), await side_by_side(True)
 
-    alone, (plain, traced), (plain_beside_edit, edited) = asyncio.run(scenario())
+    alone, (plain, traced), (plain_beside_edit, edited) = on_the_engine_loop(model, scenario())
     assert any(total > rows for rows, total in traced.saves["steps"]), "the two requests never shared a step"
 
     def logprobs(output):
@@ -499,3 +520,55 @@ def test_a_plain_request_sharing_the_step_is_untouched(async_engine):
             assert step.keys() == step_alone.keys()
             assert same_rows(torch.tensor(list(step.values())), torch.tensor(list(step_alone.values())))
     assert edited.outputs[0].token_ids != traced.outputs[0].token_ids, "the edit must change its own request"
+
+
+def test_a_client_that_disconnects_mid_request_leaves_nothing_behind(async_engine):
+    """A traced request whose consumer goes away mid-generation (its stream closed, then another's task
+    cancelled): the request is aborted, its block is wound up on the worker, and the engine serves as before."""
+    import asyncio
+    import contextlib
+
+    model, prompt = async_engine, [1, 5, 7, 9, 11, 13]
+
+    def long_trace():
+        with model.trace(prompt, temperature=0.0, max_tokens=60, ignore_eos=True) as tracer:
+            streams = list().save()
+            for _ in tracer.iter[0:60]:
+                streams.append(model.layers[1].layer_output)
+        return tracer.backend
+
+    async def first_token():
+        with model.trace(prompt, temperature=0.0, max_tokens=1) as tracer:
+            model.layers[1].layer_output.save()
+        return (await tracer.backend).outputs[0].token_ids
+
+    async def left_behind():
+        await asyncio.sleep(0.2)
+        counts = await model.vllm_entrypoint.collective_rpc("nnsight_request_count")
+        return counts, model.vllm_entrypoint.output_processor.get_num_unfinished_requests()
+
+    async def scenario():
+        before, seen = await first_token(), {}
+        stream = long_trace().__aiter__()
+        await stream.__anext__()
+        await stream.__anext__()
+        await stream.aclose()
+        seen["closes its stream"] = (*await left_behind(), await first_token())
+
+        async def consume(backend):
+            async for _ in backend:
+                pass
+
+        task = asyncio.create_task(consume(long_trace()))
+        await asyncio.sleep(0.5)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        seen["is cancelled"] = (*await left_behind(), await first_token())
+        return before, seen
+
+    before, seen = on_the_engine_loop(model, scenario())
+    for disconnect, (counts, unfinished, after) in seen.items():
+        assert counts == [0], f"a client that {disconnect}: its block must be wound up on the worker"
+        assert unfinished == 0, f"a client that {disconnect}: its request must not run on"
+        assert after == before, f"a client that {disconnect}: the engine must go on serving"
