@@ -221,8 +221,9 @@ def test_saves_too_large_for_a_message_fail_their_request_alone(monkeypatch):
     workers.send_back_what_can_be_sent(None)  # no runner, no arena: every block goes in the message
     monkeypatch.setattr(workers, "message_bytes", lambda: 3000)
 
-    def entry(**saves):
-        return {"saves": saves, "error": None, "registered": {}, "sequences": {}}
+    def entry(**saves):  # as nnsight's collect makes it: sequence 0's dicts are the entry's own
+        sequence = {"saves": saves, "registered": {}}
+        return {"saves": saves, "error": None, "registered": sequence["registered"], "sequences": {0: sequence}}
 
     collected = {
         "big": entry(rows=torch.zeros(1000), kept=torch.arange(5), step=3),  # 4,000 bytes of rows: over the bound
@@ -236,3 +237,7 @@ def test_saves_too_large_for_a_message_fail_their_request_alone(monkeypatch):
     assert back["fine"]["error"] is None and torch.equal(back["fine"]["saves"]["rows"], torch.ones(100))
     with pytest.raises(workers.SavesTooLarge):
         workers.dumps_saves({"rows": torch.zeros(1000)})
+    mixed = {"mixed": entry(function=lambda x: x, rows=torch.zeros(1000), kept=torch.ones(3))}
+    back = pickle.loads(runner_module.dumps_compact(mixed))  # will not pickle, then too large: both go
+    assert "the saved variable 'function'" in str(back["mixed"]["error"])
+    assert set(back["mixed"]["saves"]) == {"kept"}

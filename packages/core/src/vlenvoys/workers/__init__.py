@@ -208,26 +208,29 @@ def send_back_what_can_be_sent(runner: Any = None) -> None:
             try:
                 _tensors_of(value)
             except Exception as error:
-                del bucket[name]
+                bucket.pop(name, None)
                 why = _why_unsendable(value, error, _tensors_of)
                 refuse(entry, name, value, f"{why}; save tensors, numbers, strings or containers of them")
 
     def drop_largest(collected: dict) -> None:
-        """The largest saved values go, each its request's error, until the rest may travel in a message."""
-        saved = sorted(_saved_values(collected), key=lambda item: -_tensor_bytes(item[3]))
-        total, limit = sum(_tensor_bytes(item[3]) for item in saved), message_bytes()
-        for entry, bucket, name, value in saved:
+        """The largest saved values go, each its requests' error, until the rest may travel in a message."""
+        holders: dict[int, list] = {}  # one value saved under several names, or by several requests, counts once
+        for item in _saved_values(collected):
+            holders.setdefault(id(item[3]), []).append(item)
+        sizes = {key: _tensor_bytes(items[0][3]) for key, items in holders.items()}
+        total, limit = sum(sizes.values()), message_bytes()
+        for key in sorted(sizes, key=sizes.__getitem__, reverse=True):
             if total <= limit:
                 return
-            size = _tensor_bytes(value)
-            del bucket[name]
-            total -= size
-            refuse(entry, name, value, (
-                f"it holds {size / 2**30:.3g} GiB of tensors; shared memory had no room for this trace's saves "
-                f"({_free_shared_memory() / 2**30:.3g} GiB free in /dev/shm), and through the engine's messages they "
-                f"may take at most {limit / 2**30:.3g} GiB (`vlenvoys.workers.message_bytes`): save less (a slice, "
-                "fewer positions), or read many prompts with vlenvoys.collect"
-            ))
+            total -= sizes[key]
+            for entry, bucket, name, value in holders[key]:
+                bucket.pop(name, None)
+                refuse(entry, name, value, (
+                    f"it holds {sizes[key] / 2**30:.3g} GiB of tensors; shared memory had no room for this trace's "
+                    f"saves ({_free_shared_memory() / 2**30:.3g} GiB free in /dev/shm), and through the engine's "
+                    f"messages they may take at most {limit / 2**30:.3g} GiB (`vlenvoys.workers.message_bytes`): save "
+                    "less (a slice, fewer positions), or read many prompts with vlenvoys.collect"
+                ))
 
     def dumps_what_can_be_sent(collected: dict) -> bytes:
         for attempt in range(2):
@@ -386,12 +389,15 @@ class _Packed:
 
 def _saved_values(collected: dict) -> list[tuple[dict, dict, str, Any]]:
     """Every saved value of a collect call's entries: (its request's entry, its bucket, its name, the value)."""
-    found = []
+    found, seen = [], set()
     for entry in collected.values():
         buckets = [entry["saves"], entry["registered"]]
         for sequence in entry.get("sequences", {}).values():
             buckets += [sequence["saves"], sequence["registered"]]
-        found += [(entry, bucket, name, value) for bucket in buckets for name, value in bucket.items()]
+        for bucket in buckets:
+            if id(bucket) not in seen:  # sequence 0's saves are the entry's own dict
+                seen.add(id(bucket))
+                found += [(entry, bucket, name, value) for name, value in bucket.items()]
     return found
 
 
