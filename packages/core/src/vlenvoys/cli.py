@@ -26,8 +26,9 @@ def friendly_errors() -> Iterator[None]:
 
     try:
         yield
-    # OSError: a missing file or folder, or a hub name that cannot be fetched (offline).
-    except (UnknownArchitecture, Unavailable, InvalidWrite, ReadOnly, SkipRefused, OSError, ValueError) as error:
+    # OSError: a missing file or folder, a hub name that cannot be fetched (offline), a full disk.
+    # ImportError: a source read with an optional package (datasets) that is not installed.
+    except (UnknownArchitecture, Unavailable, InvalidWrite, ReadOnly, SkipRefused, OSError, ValueError, ImportError) as error:
         typer.secho(f"error: {error}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
 
@@ -151,63 +152,111 @@ def patterns(
 
 @app.command()
 def collect(
-    prompts: Annotated[Path, typer.Argument(help="A text file with one prompt per line.")],
+    source: Annotated[
+        Path,
+        typer.Argument(
+            help="One prompt per line; with --context-length a corpus: text (a document per line), .jsonl, "
+            ".parquet, .csv, or a folder from datasets' save_to_disk."
+        ),
+    ],
     model: Model = None,
-    value: Annotated[str, typer.Option(help="A block value: layer_output, layer_mid, attention_output, mlp_neurons, ...")] = "layer_output",
+    value: Annotated[
+        str, typer.Option(help="A block value: layer_output, layer_mid, attention_output, mlp_neurons, ... (comma-separated: several, with --context-length).")
+    ] = "layer_output",
     layers: Annotated[str, typer.Option(help="Comma-separated block indices (negative count from the end).")] = "0",
-    out: Annotated[Path, typer.Option(help="The safetensors file to write.")] = Path("values.safetensors"),
+    out: Annotated[
+        Optional[Path], typer.Option(help="The safetensors file to write (default values.safetensors); with --context-length, the folder of shards (default activations).")
+    ] = None,
     batch: Annotated[
         int | None, typer.Option(min=1, help="Prompts in flight on the engine at once (default: the engine's max_num_seqs).")
     ] = None,
+    context_length: Annotated[
+        Optional[int], typer.Option(min=2, help="Cut the source into windows of this many tokens (BOS included) and stream their values to a folder of shards.")
+    ] = None,
+    field: Annotated[str, typer.Option(help="The text's field in a .jsonl or datasets source.")] = "text",
+    dtype: Annotated[str, typer.Option(help="How shards store values: bfloat16, float16 or float32.")] = "bfloat16",
+    positions: Annotated[str, typer.Option(help="Which positions shards keep: all, no_bos (drop BOS tokens) or last.")] = "all",
+    shard_tokens: Annotated[int, typer.Option(min=1, help="Tokens of windows per shard.")] = 2**16,
+    max_tokens: Annotated[Optional[int], typer.Option(min=1, help="Stop after this many tokens of windows.")] = None,
+    bos: Annotated[bool, typer.Option(help="Start each window with the BOS token (documents are separated by it).")] = True,
 ) -> None:
-    """Save one value at chosen blocks for every prompt of a file to a safetensors file.
+    """Save block values of every prompt of a file, or of a corpus cut into windows.
 
-    The prompts file comes first, the model (optional) second:
+    The source comes first, the model (optional) second:
     vlenvoys collect prompts.txt --layers 5,15 (the built-in model), or
     vlenvoys collect prompts.txt path/to/checkpoint --value mlp_neurons.
 
-    Tensors are named VALUE.LAYER.INDEX, INDEX counting the file's non-empty
-    lines from 0; each is that prompt's (tokens, ...) tensor, with no batch
-    axis. One block installed on the engine for the run reads them. The
-    file's metadata says what it holds: "prompts" (a JSON list, by INDEX),
-    "value", "layers" (a JSON list) and "model" (as given, or the built-in's name).
+    Prompts: one safetensors file of tensors named VALUE.LAYER.INDEX, INDEX
+    counting the file's non-empty lines from 0; each is that prompt's
+    (tokens, ...) tensor, with no batch axis. Its metadata says what it holds:
+    "prompts" (a JSON list, by INDEX), "value", "layers" (a JSON list) and
+    "model" (as given, or the built-in's name).
+
+    Windows (--context-length): a folder of shards, written as the values
+    leave the engine, and a manifest (vlenvoys.activations.Activations reads
+    it). Interrupted, the same command continues after the last complete shard.
     """
+    from vlenvoys.oracle import VALUES
+
+    owners = dict((name, owner) for owner, name in VALUES)
+    values = [name.strip() for name in value.split(",") if name.strip()]
+    for name in values:
+        if name not in owners:
+            raise typer.BadParameter(f"{name!r} is not a block value; choose from {', '.join(owners)}")
+    if context_length is None and len(values) != 1:
+        raise typer.BadParameter("one value per prompts file; several need --context-length (a folder of shards)")
+    with friendly_errors():
+        try:
+            chosen = [int(layer) for layer in layers.split(",")]
+        except ValueError:
+            raise ValueError(f"--layers takes comma-separated block indices, got {layers!r}") from None
+        # The name the user gave (a hub name, a folder), not the cache folder it resolves to.
+        named = str(model) if model is not None else "SmolLM2-135M-Instruct (built-in, float32)"
+        model = checkpoint(model)
+        chosen = check_layers(model, chosen)
+        check_served(model, values)
+        if context_length is None:
+            _collect_prompts(source, model, named, values[0], chosen, out or Path("values.safetensors"), batch)
+        else:
+            _collect_windows(
+                source, model, values, chosen, out or Path("activations"), batch, context_length,
+                field=field, dtype=dtype, positions=positions, shard_tokens=shard_tokens, max_tokens=max_tokens, bos=bos,
+            )
+
+
+def check_served(model: str, values: list[str]) -> None:
+    """Refuse a value the model cannot serve, before any engine starts."""
+    import vlenvoys
+    from vlenvoys.oracle import VALUES
+
+    kinds = {"layer": "layer", "self_attn": "attention", "mlp": "mlp"}
+    owners = dict((name, owner) for owner, name in VALUES)
+    for value in values:
+        row = vlenvoys.support(model)[kinds[owners[value]], value]
+        if not row.available:
+            raise vlenvoys.Unavailable(value, "this model", row.note)
+
+
+def _collect_prompts(prompts: Path, model: str, named: str, value: str, chosen: list[int], out: Path, batch: int | None) -> None:
     from rich.console import Console
     from safetensors.torch import save_file
     from tqdm import tqdm
 
     import vlenvoys
     from vlenvoys.collect import collect as collect_values
-    from vlenvoys.oracle import VALUES
 
-    owners = dict((name, owner) for owner, name in VALUES)
-    if value not in owners:
-        raise typer.BadParameter(f"{value!r} is not a block value; choose one of {', '.join(owners)}")
+    texts = [line.strip() for line in prompts.read_text().splitlines() if line.strip()]
+    if not texts:
+        raise ValueError(f"{prompts} has no prompts (one per line)")
+    check_output(out)
     console = Console()
-    with friendly_errors():
-        try:
-            chosen = [int(layer) for layer in layers.split(",")]
-        except ValueError:
-            raise ValueError(f"--layers takes comma-separated block indices, got {layers!r}") from None
-        texts = [line.strip() for line in prompts.read_text().splitlines() if line.strip()]
-        if not texts:
-            raise ValueError(f"{prompts} has no prompts (one per line)")
-        # The name the user gave (a hub name, a folder), not the cache folder it resolves to.
-        named = str(model) if model is not None else "SmolLM2-135M-Instruct (built-in, float32)"
-        model = checkpoint(model)
-        chosen = check_layers(model, chosen)
-        check_output(out)
-        kinds = {"layer": "layer", "self_attn": "attention", "mlp": "mlp"}
-        row = vlenvoys.support(model)[kinds[owners[value]], value]
-        if not row.available:
-            raise vlenvoys.Unavailable(value, "this model", row.note)
-        with console.status("starting vLLM (about 30 s on a CPU)"):
-            loaded = vlenvoys.load(model)
-        try:
-            with tqdm(total=len(texts), desc="collecting", unit="prompt") as bar:
-                collected = collect_values(loaded, texts, value, chosen, batch_size=batch, progress=bar.update)
-        finally:
-            vlenvoys.shutdown(loaded)
+    with console.status("starting vLLM (about 30 s on a CPU)"):
+        loaded = vlenvoys.load(model)
+    try:
+        with tqdm(total=len(texts), desc="collecting", unit="prompt") as bar:
+            collected = collect_values(loaded, texts, value, chosen, batch_size=batch, progress=bar.update)
+    finally:
+        vlenvoys.shutdown(loaded)
     # Keys are VALUE.LAYER; each prompt's tensor is saved without its batch axis.
     tensors = {
         f"{key}.{index}": tensor[0].contiguous()
@@ -218,6 +267,47 @@ def collect(
     metadata = {"prompts": json.dumps(texts), "value": value, "layers": json.dumps(sorted(set(chosen))), "model": named}
     save_file(tensors, str(out), metadata=metadata)
     console.print(f"{len(tensors)} tensors from {len(texts)} prompts saved to {out}")
+
+
+def _collect_windows(
+    source: Path, model: str, values: list[str], chosen: list[int], out: Path, batch: int | None, context_length: int, **options
+) -> None:
+    """Windows mode: every check that needs no engine (the plan, the folder, the source's first window) first."""
+    import itertools
+
+    from rich.console import Console
+    from transformers import AutoConfig, AutoTokenizer
+
+    import vlenvoys
+    from vlenvoys import activations
+
+    longest = AutoConfig.from_pretrained(model).max_position_embeddings
+    if context_length > longest:
+        raise ValueError(f"--context-length {context_length} is longer than the model's context ({longest} tokens)")
+    max_tokens, bos, field = options.pop("max_tokens"), options["bos"], options["field"]
+    plan = activations.make_plan(model, values, chosen, context_length=context_length, source=source, **options)
+    activations.window_limit(max_tokens, context_length)
+    shards = activations._Shards(out, plan)
+    shards.open()
+    console = Console()
+    if shards.complete:
+        console.print(f"{out} already holds this collection, complete: {activations.Activations(out)}")
+        return
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    cut = activations.windows(activations.documents(source, field), tokenizer, context_length, bos=bos)
+    if next(itertools.islice(cut, shards.windows_done, None), None) is None and not shards.done:
+        raise ValueError(f"{source} holds fewer tokens than one window of {context_length}")
+    if shards.done:
+        console.print(f"continuing after the {len(shards.done)} complete shards in {out}")
+    with console.status("starting vLLM (about 30 s on a CPU)"):
+        loaded = vlenvoys.load(model)
+    try:
+        written = activations.collect_dataset(
+            loaded, source, out, values, chosen, context_length=context_length, max_tokens=max_tokens, batch_size=batch, **options
+        )
+    finally:
+        vlenvoys.shutdown(loaded)
+    console.print(f"{written}")
 
 
 @app.command()

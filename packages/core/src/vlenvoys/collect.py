@@ -25,7 +25,7 @@ import contextlib
 import threading
 import uuid
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -35,7 +35,7 @@ from nnsight.modeling.vllm.engines.engine import merge_collected
 from . import collector
 from .values import unmark
 
-__all__ = ["PRIVATE", "collect", "registered", "serve_private_edits"]
+__all__ = ["PRIVATE", "collect", "registered", "serve_private_edits", "stream"]
 
 #: Registrations named with this prefix run only on requests that list them in ``edits=[...]``.
 PRIVATE = "vlenvoys-private:"
@@ -121,14 +121,40 @@ def collect(
     results: dict[str, list[torch.Tensor]] = {f"{value}.{layer}": [] for layer, _, value in reads}
     if not prompts:
         return results
-    if collector.eligible(model, reads) is None and _ranks(model) == 1:
-        runs = _batched(model, prompts, reads, batch_size, progress)
-    else:
-        runs = _registered(model, prompts, reads, batch_size, progress)
+    runs: list[dict] = [{}] * len(prompts)
+
+    def keep(index: int, values: dict) -> None:
+        runs[index] = values
+
+    stream(model, prompts, reads, keep, batch_size=batch_size, progress=progress)
     for saved in runs:
         for key, tensors in results.items():
             tensors.append(saved[key])
     return results
+
+
+def stream(
+    model: Any,
+    prompts: Iterable[str | list[int]],
+    reads: list[Read],
+    deliver: Callable[[int, dict[str, torch.Tensor]], Any],
+    *,
+    batch_size: int,
+    progress: Callable[[int], Any] | None = None,
+) -> None:
+    """`collect` without keeping anything: ``deliver(index, values)`` as each prompt's values arrive.
+
+    ``prompts`` (checked prompts, possibly a generator) are drawn only as the
+    engine has room for them, and each prompt's values go to ``deliver`` when
+    they leave the engine, in the order requests finish (not prompt order), so
+    neither side holds more than ``batch_size`` prompts' values at once.
+    ``values`` is ``{"{value}.{layer}": [1, tokens, ...] CPU tensor}``.
+    Raises what `collect` raises; an error of ``deliver`` aborts the requests in flight.
+    """
+    if collector.eligible(model, reads) is None and _ranks(model) == 1:
+        _batched(model, prompts, reads, batch_size, progress, deliver)
+    else:
+        _registered(model, prompts, reads, batch_size, progress, deliver)
 
 
 def _scheduled_at_once(model: Any) -> int:
@@ -141,14 +167,14 @@ def _ranks(model: Any) -> int:
     return int(model.vllm_entrypoint.llm_engine.vllm_config.parallel_config.tensor_parallel_size)
 
 
-def _registered(model: Any, prompts: list, reads: list[Read], batch_size: int, progress: Any) -> list[dict]:
+def _registered(model: Any, prompts: Iterable, reads: list[Read], batch_size: int, progress: Any, deliver: Callable) -> None:
     """The general path: a block installed with nnsight's registration, one nnsight worker per request."""
     with registered(model, reads) as name:
         params = _params({"nnsight_edits": [name]})
-        return _run(model, prompts, params, batch_size, progress, lambda finished: [_values_of(*each) for each in finished])
+        _run(model, prompts, params, batch_size, progress, lambda finished: [_values_of(*each) for each in finished], deliver)
 
 
-def _batched(model: Any, prompts: list, reads: list[Read], batch_size: int, progress: Any) -> list[dict]:
+def _batched(model: Any, prompts: Iterable, reads: list[Read], batch_size: int, progress: Any, deliver: Callable) -> None:
     """The fast path: one hook per module per step on the worker, no nnsight worker per request (`vlenvoys.collector`)."""
     engine = model.vllm_entrypoint.llm_engine
     name = collector.new_name()
@@ -172,7 +198,7 @@ def _batched(model: Any, prompts: list, reads: list[Read], batch_size: int, prog
     try:
         # Taken in batches: a take waits for the engine's next step, and the client refills the engine
         # only between takes (measured on an H200: a take per step held collect to 0.6 of plain prefill).
-        return _run(model, prompts, _params({collector.KEY: name}), batch_size, progress, fetch, fetch_every=batch_size)
+        _run(model, prompts, _params({collector.KEY: name}), batch_size, progress, fetch, deliver, fetch_every=batch_size)
     finally:
         _clean_up(model, lambda: engine.collective_rpc("vlenvoys_collect_stop", args=(name,)), quietly=True)
 
@@ -247,14 +273,15 @@ def _read_only(envoy: Any, name: str) -> torch.Tensor:
 
 def _run(
     model: Any,
-    prompts: list,
+    prompts: Iterable,
     params: Any,
     batch_size: int,
     progress: Callable[[int], Any] | None,
     fetch: Callable[[list], list[dict[str, torch.Tensor]]],
+    deliver: Callable[[int, dict[str, torch.Tensor]], Any],
     fetch_every: int = 1,
-) -> list[dict[str, torch.Tensor]]:
-    """Each prompt's values, driving the engine with ``batch_size`` requests in flight.
+) -> None:
+    """Drive the engine with ``batch_size`` requests in flight, handing each prompt's values to ``deliver``.
 
     ``fetch`` gets finished ``(output, prompt index)`` pairs and returns their values: once
     ``fetch_every`` have finished (or none are left in flight), each engine step's with the default.
@@ -266,14 +293,17 @@ def _run(
 
     engine = model.vllm_entrypoint.llm_engine
     run = uuid.uuid4().hex[:12]
-    saved: list[dict] = [{}] * len(prompts)
     in_flight: dict[str, int] = {}
-    following = 0
+    upcoming = enumerate(prompts)
+    drawn_all = False
 
     def submit() -> None:
-        nonlocal following
-        while following < len(prompts) and len(in_flight) < batch_size:
-            prompt = prompts[following]
+        nonlocal drawn_all
+        while not drawn_all and len(in_flight) < batch_size:
+            following, prompt = next(upcoming, (None, None))
+            if following is None:
+                drawn_all = True
+                return
             prompt = salted(prompt if isinstance(prompt, str) else TokensPrompt(prompt_token_ids=prompt), "collect")
             request_id = f"vlenvoys-collect.{run}.{following}"
             try:
@@ -281,7 +311,6 @@ def _run(
             except VLLMClientError as error:
                 raise ValueError(f"prompt {following}: {error}") from error
             in_flight[request_id] = following
-            following += 1
 
     pending: list = []  # finished, values not yet fetched
     try:
@@ -299,7 +328,7 @@ def _run(
             pending.extend(finished)
             if pending and (len(pending) >= fetch_every or not in_flight):
                 for (_, index), values in zip(pending, fetch(pending), strict=True):
-                    saved[index] = values
+                    deliver(index, values)
                 pending = []
             if finished and progress is not None:
                 progress(len(finished))
@@ -316,7 +345,6 @@ def _run(
         if unfinished:
             _clean_up(model, abort, quietly=True)
         raise
-    return saved
 
 
 def _clean_up(model: Any, cleanup: Callable[[], Any], quietly: bool = False) -> None:

@@ -1,0 +1,663 @@
+"""Activation datasets: standard values of a text corpus, streamed to disk in shards.
+
+Training a sparse autoencoder, a transcoder or a probe takes the values of
+millions of tokens: more than memory holds, collected over hours. This module
+cuts a corpus into fixed windows of tokens, reads the chosen values of every
+window with `vlenvoys.collect`'s fast path (one hook per module per step),
+and writes them to a folder of shards as they leave the engine::
+
+    import vlenvoys
+    from vlenvoys.activations import collect_dataset
+
+    model = vlenvoys.load()
+    shards = collect_dataset(model, "corpus.jsonl", "acts", "layer_output", [10], context_length=128)
+    for batch in shards.batches(4096, shuffle=True):
+        batch["layer_output.10"]      # [4096, hidden_size]
+
+The folder holds ``shard-00000.safetensors``, ... and ``manifest.json``.
+Shards are safetensors files rather than Arrow tables: Arrow has no bfloat16,
+the dtype activations are usually kept in, and a safetensors file maps
+straight into a torch tensor without a copy. Each shard holds, for the N
+tokens kept from its windows:
+
+- ``"{value}.{layer}"``: ``[N, ...]`` the value at each token, in the chosen
+  dtype (``[N, hidden_size]`` for the streams, ``[N, heads, head_dim]`` for
+  the heads, ``[N, intermediate_size]`` for the neurons);
+- ``"token_ids"``: ``[N]`` int32, the token at each row;
+- ``"window"``: ``[N]`` int64, the window each row comes from (counting the
+  run's windows from 0);
+- ``"position"``: ``[N]`` int32, the row's position in its window;
+
+and in its metadata the run's plan (model, values, layers, dtype, windows).
+A shard is written under a temporary name and renamed when complete, and the
+manifest lists a shard only after that, so a run killed at any point leaves
+only complete shards behind; run the same call again and it continues after
+the last one.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import json
+import os
+import queue
+import random
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["POSITIONS", "Activations", "Plan", "collect_dataset", "documents", "windows"]
+
+#: Which positions of each window are kept: every one, every one but the BOS tokens, or the last.
+POSITIONS = ("all", "no_bos", "last")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+MANIFEST = "manifest.json"
+FORMAT = "vlenvoys-activations/1"
+#: Documents tokenized per call of the tokenizer (a fast tokenizer batches them across threads).
+TOKENIZED_AT_ONCE = 256
+
+
+def documents(source: Any, field: str = "text") -> Iterator[str]:
+    """The documents of a corpus, one string each, read lazily.
+
+    Args:
+        source: A text file (``.txt`` and any other suffix not below: one
+            document per non-empty line), a JSON Lines file (``.jsonl``:
+            one object per line, the document under ``field``), a file
+            ``datasets`` reads (``.parquet``, ``.csv``, ``.arrow``), a folder
+            written by ``datasets.Dataset.save_to_disk``, a ``datasets``
+            dataset (or iterable dataset), or any iterable of strings.
+        field: The column or key holding the text (JSON Lines and ``datasets`` sources).
+
+    Raises:
+        FileNotFoundError: no such file or folder.
+        ValueError: a record without ``field`` (named by its line or row),
+            a text that is not a string, a JSON line that does not parse, or a
+            saved dataset with several splits.
+        ImportError: a ``datasets`` source without the ``datasets`` package.
+    """
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        if not path.exists():
+            raise FileNotFoundError(f"no such file or folder: {path}")
+        if path.is_dir():
+            yield from _records(_load_from_disk(path), field, path)
+        elif path.suffix == ".jsonl":
+            yield from _json_lines(path, field)
+        elif path.suffix in {".parquet", ".csv", ".arrow"}:
+            yield from _records(_datasets().load_dataset(path.suffix[1:], data_files=str(path), split="train"), field, path)
+        else:
+            with path.open(encoding="utf-8") as lines:
+                yield from (line.rstrip("\n") for line in lines if line.strip())
+    elif hasattr(source, "column_names") or hasattr(source, "features"):
+        yield from _records(source, field, "the dataset")
+    else:
+        for index, text in enumerate(source):
+            if not isinstance(text, str):
+                raise ValueError(f"document {index} is a {type(text).__name__}, not a string")
+            yield text
+
+
+def _datasets() -> Any:
+    try:
+        import datasets
+    except ImportError as error:
+        raise ImportError("this source is read with the `datasets` package: pip install datasets") from error
+    return datasets
+
+
+def _load_from_disk(path: Path) -> Any:
+    loaded = _datasets().load_from_disk(str(path))
+    if hasattr(loaded, "keys") and not hasattr(loaded, "column_names"):  # a DatasetDict
+        splits = list(loaded.keys())
+        if len(splits) != 1:
+            raise ValueError(f"{path} holds the splits {splits}; pass one of them (load_from_disk(...)[split])")
+        loaded = loaded[splits[0]]
+    return loaded
+
+
+def _records(rows: Iterable[dict], field: str, where: Any) -> Iterator[str]:
+    for index, row in enumerate(rows):
+        if field not in row:
+            raise ValueError(f"row {index} of {where} has no field {field!r} (it has {sorted(row)}); pick one with field=")
+        text = row[field]
+        if not isinstance(text, str):
+            raise ValueError(f"row {index} of {where}: {field!r} holds a {type(text).__name__}, not a string")
+        yield text
+
+
+def _json_lines(path: Path, field: str) -> Iterator[str]:
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path} line {number} is not JSON: {error}") from None
+            if not isinstance(row, dict) or field not in row:
+                keys = sorted(row) if isinstance(row, dict) else type(row).__name__
+                raise ValueError(f"{path} line {number} has no field {field!r} (it has {keys}); pick one with field=")
+            if not isinstance(row[field], str):
+                raise ValueError(f"{path} line {number}: {field!r} holds a {type(row[field]).__name__}, not a string")
+            yield row[field]
+
+
+def windows(texts: Iterable[str], tokenizer: Any, context_length: int, *, bos: bool = True) -> Iterator[list[int]]:
+    """Token windows of ``context_length`` ids, packed from ``texts`` as SAE training code packs them.
+
+    The documents are tokenized without special tokens and concatenated, each
+    after the first preceded by a separator (the BOS token, or EOS where the
+    tokenizer has no BOS); the stream is cut into windows, each starting with
+    BOS when ``bos`` (then ``context_length - 1`` tokens of the stream follow it).
+    A last window shorter than ``context_length`` is dropped, as SAE training
+    code drops it, so every window has the same length.
+
+    Raises:
+        ValueError: ``context_length`` below 2 with ``bos`` (or below 1), or
+            ``bos`` on a tokenizer with neither a BOS nor an EOS token.
+    """
+    begin = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    if bos and begin is None:
+        raise ValueError("this tokenizer has neither a BOS nor an EOS token; pass bos=False")
+    if context_length < (2 if bos else 1):
+        raise ValueError(f"context_length must be at least {2 if bos else 1}, got {context_length}")
+    separator = begin
+    body = context_length - 1 if bos else context_length
+    stream: list[int] = []
+    first = True
+    texts = iter(texts)
+    while chunk := list(itertools.islice(texts, TOKENIZED_AT_ONCE)):
+        for ids in tokenizer(chunk, add_special_tokens=False)["input_ids"]:
+            if not first and separator is not None:
+                stream.append(separator)
+            first = False
+            stream.extend(ids)
+        cut = len(stream) - len(stream) % body
+        for start in range(0, cut, body):
+            yield ([begin] if bos else []) + stream[start : start + body]
+        del stream[:cut]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a run collects: a folder holds one plan's shards, and a rerun continues only the same plan."""
+
+    model: str
+    values: list[str]
+    layers: list[int]
+    context_length: int
+    bos: bool
+    dtype: str
+    positions: str
+    source: str
+    field: str
+    shard_windows: int
+
+    def differences(self, other: dict) -> list[str]:
+        """``"name: theirs -> ours"`` for each setting that differs from a manifest's plan."""
+        ours = asdict(self)
+        return [f"{key}: {other.get(key)!r} -> {value!r}" for key, value in ours.items() if other.get(key) != value]
+
+
+def _describe(source: Any) -> str:
+    """How the plan names a source: a path as given (absolute), else what kind of object it is."""
+    if isinstance(source, (str, os.PathLike)):
+        return str(Path(source).absolute())
+    return f"<{type(source).__name__}>"
+
+
+class _Shards:
+    """The output folder: its manifest, and shards written whole (temporary name, then rename)."""
+
+    def __init__(self, folder: Path, plan: Plan) -> None:
+        self.folder, self.plan = folder, plan
+        self.manifest = folder / MANIFEST
+        self.done: list[dict] = []
+        self.complete = False
+
+    def open(self) -> None:
+        """Check the folder against the plan; take over a previous run of the same plan.
+
+        Raises:
+            FileExistsError: another run's shards are there (a different plan,
+                or shards without a manifest), or ``folder`` is a file.
+        """
+        if self.folder.exists() and not self.folder.is_dir():
+            raise FileExistsError(f"{self.folder} is a file; collect_dataset writes a folder of shards")
+        if not self.folder.exists():
+            return  # made with the first shard: a run refused before it leaves nothing behind
+        for stale in self.folder.glob("*.tmp"):
+            stale.unlink()  # a shard or manifest a killed run left half-written
+        if self.manifest.exists():
+            manifest = json.loads(self.manifest.read_text())
+            differences = self.plan.differences(manifest.get("plan", {}))
+            if manifest.get("format") != FORMAT or differences:
+                raise FileExistsError(
+                    f"{self.folder} holds the shards of another run ({'; '.join(differences) or manifest.get('format')}); "
+                    "write to a new folder, or remove this one to start over"
+                )
+            self.done, self.complete = manifest["shards"], manifest["complete"]
+            for shard in self.done:
+                if not (self.folder / shard["file"]).exists():
+                    raise FileExistsError(f"{self.folder}: the manifest lists {shard['file']}, which is missing; remove the folder to start over")
+        elif any(self.folder.glob("shard-*.safetensors")):
+            raise FileExistsError(f"{self.folder} holds shards but no {MANIFEST}; write to a new folder, or empty this one")
+
+    @property
+    def windows_done(self) -> int:
+        return self.done[-1]["windows"][1] if self.done else 0
+
+    def write(self, tensors: dict[str, torch.Tensor], first: int, last: int) -> None:
+        """Shard number ``len(done)``: windows ``first`` to ``last - 1``, then the manifest that lists it."""
+        from safetensors.torch import save_file
+
+        name = f"shard-{len(self.done):05d}.safetensors"
+        self.folder.mkdir(parents=True, exist_ok=True)
+        metadata = {"plan": json.dumps(asdict(self.plan)), "windows": json.dumps([first, last]), "format": FORMAT}
+        target = self.folder / name
+        try:
+            save_file(tensors, str(target) + ".tmp", metadata=metadata)
+            os.replace(str(target) + ".tmp", target)
+            tokens = int(tensors["token_ids"].shape[0])
+            self.done.append({"file": name, "windows": [first, last], "tokens": tokens})
+            self._write_manifest()
+        except OSError as error:
+            Path(str(target) + ".tmp").unlink(missing_ok=True)
+            if self.done and self.done[-1]["file"] == name and not target.exists():
+                self.done.pop()
+            full = " (the disk is full)" if error.errno == errno.ENOSPC else ""
+            raise OSError(
+                error.errno,
+                f"writing {name} failed{full}: {error.strerror or error}; the {len(self.done)} shards before it are "
+                f"complete in {self.folder}: free the space and run the same collection again to continue after them",
+            ) from error
+
+    def finish(self) -> None:
+        self.complete = True
+        self._write_manifest()
+
+    def _write_manifest(self) -> None:
+        manifest = {
+            "format": FORMAT,
+            "plan": asdict(self.plan),
+            "complete": self.complete,
+            "tokens": sum(shard["tokens"] for shard in self.done),
+            "shards": self.done,
+        }
+        temporary = self.manifest.with_suffix(".json.tmp")
+        temporary.write_text(json.dumps(manifest, indent=1))
+        os.replace(temporary, self.manifest)
+
+
+class _Writer:
+    """Writes shards on a thread of its own, one behind the engine: the forward goes on while a shard is written."""
+
+    def __init__(self, shards: _Shards) -> None:
+        self.shards = shards
+        self.queue: queue.Queue = queue.Queue(maxsize=1)  # one shard waiting at most: memory stays flat
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._work, name="vlenvoys-shard-writer", daemon=True)
+        self.thread.start()
+
+    def _work(self) -> None:
+        while (job := self.queue.get()) is not None:
+            if self.error is None:
+                try:
+                    self.shards.write(*job)
+                except BaseException as error:
+                    self.error = error
+
+    def put(self, tensors: dict, first: int, last: int) -> None:
+        self.raise_error()
+        self.queue.put((tensors, first, last))
+
+    def stop(self) -> None:
+        """Finish the shards already handed over, then end the thread."""
+        self.queue.put(None)
+        self.thread.join()
+
+    def close(self) -> None:
+        self.stop()
+        self.raise_error()
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+class _Assembler:
+    """Windows' values in window order, cut into shards of ``shard_windows`` windows each."""
+
+    def __init__(self, plan: Plan, first_window: int, windows_of: dict[int, list[int]], writer: _Writer, begin: int | None) -> None:
+        self.plan, self.writer, self.windows_of, self.begin = plan, writer, windows_of, begin
+        self.dtype = DTYPES[plan.dtype]
+        self.first = first_window  # the run's first window: the stream counts its prompts from here
+        self.start = first_window  # the first window of the shard being assembled
+        self.arrived: dict[int, dict[str, torch.Tensor]] = {}
+
+    def deliver(self, offset: int, values: dict[str, torch.Tensor]) -> None:
+        """One window's values (the stream's ``offset``-th prompt) in; every shard now whole out to the writer."""
+        window = self.first + offset
+        ids = self.windows_of[window]
+        keep = self._kept(ids)
+        rows = {key: value[0, keep].to(self.dtype) for key, value in values.items()}
+        rows["token_ids"] = torch.tensor(ids, dtype=torch.int32)[keep]
+        rows["position"] = keep.to(torch.int32)
+        rows["window"] = torch.full((len(keep),), window, dtype=torch.int64)
+        self.arrived[window] = rows
+        while all(index in self.arrived for index in range(self.start, self.start + self.plan.shard_windows)):
+            self._flush(self.start + self.plan.shard_windows)
+
+    def _kept(self, ids: list[int]) -> torch.Tensor:
+        if self.plan.positions == "last":
+            return torch.tensor([len(ids) - 1])
+        if self.plan.positions == "no_bos" and self.begin is not None:
+            return torch.tensor([position for position, token in enumerate(ids) if token != self.begin], dtype=torch.long)
+        return torch.arange(len(ids))
+
+    def _flush(self, end: int) -> None:
+        parts = [self.arrived.pop(index) for index in range(self.start, end)]
+        for index in range(self.start, end):
+            self.windows_of.pop(index)
+        shard = {key: torch.cat([part[key] for part in parts]).contiguous() for key in parts[0]}
+        self.writer.put(shard, self.start, end)
+        self.start = end
+
+    def finish(self) -> None:
+        """The last, shorter shard: the windows left after the last full one."""
+        if self.arrived:
+            self._flush(self.start + len(self.arrived))
+
+
+def collect_dataset(
+    model: Any,
+    source: Any,
+    out: str | os.PathLike,
+    values: str | Sequence[str],
+    layers: int | Sequence[int],
+    *,
+    context_length: int,
+    field: str = "text",
+    bos: bool = True,
+    dtype: str | torch.dtype = "bfloat16",
+    positions: str = "all",
+    shard_tokens: int = 2**16,
+    max_tokens: int | None = None,
+    batch_size: int | None = None,
+    progress: bool = True,
+) -> Activations:
+    """Collect block values of a corpus, window by window, into a folder of shards.
+
+    The corpus (`documents`) is packed into windows (`windows`); every window
+    is one request of the engine, read as `vlenvoys.collect` reads it (the
+    prefill's values, at every position, equal to a trace's reads of the same
+    window). Values are written as they leave the engine: the client holds at
+    most the windows in flight and two shards, the engine only the windows in
+    flight, however long the corpus; a thread writes each shard while the
+    engine runs the next windows.
+
+    Rerun the same call after an interruption (an error, Ctrl-C, a killed
+    process) and it continues after the last complete shard: the windows are
+    cut again from the source (it must not have changed) and those already
+    written are skipped. A folder whose run completed is returned as it is.
+
+    Args:
+        model: A model from `vlenvoys.load` on the synchronous engine.
+        source: A corpus, as `documents` reads it.
+        out: The folder of shards (created if missing).
+        values: A block value name (``"layer_output"``, ``"mlp_neurons"``, ...) or several.
+        layers: A block index or several (negative ones count from the end).
+        context_length: Tokens per window, BOS included; at most the engine's ``max_model_len``.
+        field: The text's key in a JSON Lines or ``datasets`` source.
+        bos: Start each window with the BOS token (see `windows`).
+        dtype: ``"bfloat16"``, ``"float16"`` or ``"float32"`` (or the torch dtype): how the values are stored.
+        positions: ``"all"``, ``"no_bos"`` (drop every BOS token, window
+            starts and document separators) or ``"last"`` (the last token of each window).
+        shard_tokens: Tokens of windows per shard (rounded down to whole windows, at least one).
+        max_tokens: Stop after this many tokens of windows (rounded down to whole windows).
+        batch_size: Windows in flight on the engine (default: its ``max_num_seqs``).
+        progress: Show a progress bar (tokens, tokens/s, and the time left where the total is known).
+
+    Returns:
+        The folder's `Activations`.
+
+    Raises:
+        ValueError: ``context_length`` longer than the engine serves, an
+            unknown ``dtype`` or ``positions``, a corpus too short for one
+            window, or what `documents` and `vlenvoys.collect` raise for their inputs.
+        FileExistsError: ``out`` holds another run's shards (a different plan).
+        OSError: a shard could not be written (a full disk): the shards
+            before it stay complete, and the same call continues after them.
+    """
+    from .collect import _check_engine, _reads, _scheduled_at_once, stream
+
+    _check_engine(model)
+    longest = int(model.vllm_entrypoint.llm_engine.vllm_config.model_config.max_model_len)
+    if isinstance(context_length, int) and context_length > longest:
+        raise ValueError(f"context_length {context_length} is longer than this engine serves (max_model_len {longest})")
+    names = [values] if isinstance(values, str) else list(values)
+    reads = _reads(model, names, layers)
+    plan = make_plan(
+        str(model.vllm_entrypoint.llm_engine.vllm_config.model_config.model),
+        names,
+        [layer for layer, _, _ in reads],
+        context_length=context_length,
+        bos=bos,
+        dtype=dtype,
+        positions=positions,
+        source=source,
+        field=field,
+        shard_tokens=shard_tokens,
+    )
+    limit = window_limit(max_tokens, context_length)
+    if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+        raise ValueError(f"batch_size must be a positive int or None, got {batch_size!r}")
+    shards = _Shards(Path(out), plan)
+    shards.open()
+    if shards.complete:
+        return Activations(out)
+
+    tokenizer = model.tokenizer
+    cut = windows(documents(source, field), tokenizer, context_length, bos=bos)
+    cut = itertools.islice(cut, shards.windows_done, limit)
+    first = next(cut, None)
+    if first is None:
+        if shards.done:  # the last run ended after its last shard, before it said so
+            shards.finish()
+            return Activations(out)
+        raise ValueError(f"{_describe(source)} holds fewer tokens than one window of {context_length}")
+    start = shards.windows_done
+    windows_of: dict[int, list[int]] = {}
+
+    def registered(numbered: Iterator[tuple[int, list[int]]]) -> Iterator[list[int]]:
+        for window, ids in numbered:
+            windows_of[window] = ids  # until its shard is written: the token ids and positions go in it
+            yield ids
+
+    total = None if limit is None else (limit - start) * context_length
+    if total is None and isinstance(source, (str, os.PathLike)) and Path(source).is_file():
+        total = _count_windows(source, field, tokenizer, context_length, bos, start) * context_length
+    begin = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    writer = _Writer(shards)
+    assembler = _Assembler(plan, start, windows_of, writer, begin)
+    bar = _progress_bar(progress, total)
+    try:
+        stream(
+            model,
+            registered(enumerate(itertools.chain([first], cut), start=start)),
+            reads,
+            assembler.deliver,
+            batch_size=batch_size or _scheduled_at_once(model),
+            progress=(lambda finished: bar.update(finished * context_length)) if bar is not None else None,
+        )
+        assembler.finish()
+        writer.close()
+    except BaseException:
+        writer.stop()  # the shards already whole are written before the error goes up
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    shards.finish()
+    return Activations(out)
+
+
+def make_plan(
+    model: str,
+    values: Sequence[str],
+    layers: Sequence[int],
+    *,
+    context_length: int,
+    bos: bool,
+    dtype: str | torch.dtype,
+    positions: str,
+    source: Any,
+    field: str,
+    shard_tokens: int,
+) -> Plan:
+    """The plan of a run, its settings checked (``layers`` non-negative); the CLI makes it before any engine starts.
+
+    Raises:
+        ValueError: an unknown ``dtype`` or ``positions``, ``shard_tokens`` below 1.
+        TypeError: ``context_length`` or ``shard_tokens`` not an int.
+    """
+    name = dtype if isinstance(dtype, str) else next((key for key, each in DTYPES.items() if each == dtype), None)
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if positions not in POSITIONS:
+        raise ValueError(f"positions must be one of {', '.join(POSITIONS)}, got {positions!r}")
+    for label, number in (("context_length", context_length), ("shard_tokens", shard_tokens)):
+        if not isinstance(number, int) or isinstance(number, bool):
+            raise TypeError(f"{label} must be an int, got {number!r}")
+    if shard_tokens < 1:
+        raise ValueError(f"shard_tokens must be at least 1, got {shard_tokens}")
+    return Plan(
+        model=model,
+        values=sorted(set(values)),
+        layers=sorted(set(layers)),
+        context_length=context_length,
+        bos=bos,
+        dtype=name,
+        positions=positions,
+        source=_describe(source),
+        field=field,
+        shard_windows=max(1, shard_tokens // context_length),
+    )
+
+
+def window_limit(max_tokens: int | None, context_length: int) -> int | None:
+    """How many windows ``max_tokens`` allows (None: all of them)."""
+    if max_tokens is None:
+        return None
+    if max_tokens < context_length:
+        raise ValueError(f"max_tokens {max_tokens} is less than one window of {context_length} tokens")
+    return max_tokens // context_length
+
+
+def _count_windows(source: Any, field: str, tokenizer: Any, context_length: int, bos: bool, skipped: int) -> int:
+    """How many windows a file source makes (one pass of the tokenizer), for the progress bar's time left."""
+    return max(0, sum(1 for _ in windows(documents(source, field), tokenizer, context_length, bos=bos)) - skipped)
+
+
+def _progress_bar(shown: bool, total: int | None) -> Any:
+    if not shown:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="tok", unit_scale=True, desc="collecting", smoothing=0.1)
+
+
+class Activations:
+    """A folder of activation shards written by `collect_dataset`, read back.
+
+    ``len(activations)`` is the number of rows (tokens kept) over every
+    shard; `keys` the value tensors' names (``"layer_output.10"``, ...);
+    `shard` one shard's tensors, memory-mapped; `batches` rows in batches,
+    shuffled or in order, for training.
+
+    Raises:
+        FileNotFoundError: the folder has no manifest.
+    """
+
+    def __init__(self, folder: str | os.PathLike) -> None:
+        self.folder = Path(folder)
+        manifest = self.folder / MANIFEST
+        if not manifest.exists():
+            raise FileNotFoundError(f"{self.folder} holds no {MANIFEST}: it is not a folder collect_dataset wrote")
+        self.manifest: dict = json.loads(manifest.read_text())
+        self.plan = Plan(**self.manifest["plan"])
+
+    def __len__(self) -> int:
+        return int(self.manifest["tokens"])
+
+    def __repr__(self) -> str:
+        state = "complete" if self.complete else "incomplete"
+        return f"Activations({str(self.folder)!r}: {len(self)} tokens in {len(self.manifest['shards'])} shards, {state}, {self.keys})"
+
+    @property
+    def complete(self) -> bool:
+        """Whether the run that wrote the folder finished (else a rerun continues it)."""
+        return bool(self.manifest["complete"])
+
+    @property
+    def keys(self) -> list[str]:
+        """The values' tensor names, ``"{value}.{layer}"``."""
+        return [f"{value}.{layer}" for layer in self.plan.layers for value in self.plan.values]
+
+    @property
+    def shards(self) -> list[Path]:
+        return [self.folder / shard["file"] for shard in self.manifest["shards"]]
+
+    def shard(self, index: int) -> dict[str, torch.Tensor]:
+        """Shard ``index``'s tensors (each key of `keys`, ``token_ids``, ``window``, ``position``), memory-mapped."""
+        from safetensors.torch import load_file
+
+        return load_file(str(self.shards[index]))
+
+    def batches(
+        self,
+        batch_size: int,
+        *,
+        keys: Sequence[str] | None = None,
+        shuffle: bool = False,
+        seed: int = 0,
+        buffer_shards: int = 4,
+        drop_last: bool = False,
+    ) -> Iterator[dict[str, torch.Tensor]]:
+        """Rows in batches: ``{key: [batch_size, ...]}`` for ``keys`` (default: every value) and ``token_ids``.
+
+        In order, shard after shard, without ``shuffle``; with it, the shards
+        in a random order and the rows of ``buffer_shards`` shards at a time
+        in a random order (memory: that many shards), seeded by ``seed``.
+        The last batch is shorter unless ``drop_last``.
+        """
+        keys = list(keys) if keys is not None else self.keys
+        unknown = [key for key in keys if key not in self.keys]
+        if unknown:
+            raise KeyError(f"{unknown} not in this dataset; it holds {self.keys}")
+        wanted = keys + ["token_ids"]
+        generator = torch.Generator().manual_seed(seed)
+        order = list(range(len(self.shards)))
+        if shuffle:
+            random.Random(seed).shuffle(order)
+        group = buffer_shards if shuffle else 1
+        left: dict[str, torch.Tensor] | None = None
+        for begin in range(0, len(order), group):
+            loaded = [self.shard(index) for index in order[begin : begin + group]]
+            rows = {key: torch.cat(([left[key]] if left else []) + [shard[key] for shard in loaded]) for key in wanted}
+            count = rows["token_ids"].shape[0]
+            permutation = torch.randperm(count, generator=generator) if shuffle else None
+            whole = count - count % batch_size
+            for start in range(0, whole, batch_size):
+                chosen = permutation[start : start + batch_size] if permutation is not None else slice(start, start + batch_size)
+                yield {key: rows[key][chosen] for key in wanted}
+            rest = permutation[whole:] if permutation is not None else slice(whole, count)
+            left = {key: rows[key][rest] for key in wanted} if whole < count else None
+        if left is not None and not drop_last:
+            yield left
