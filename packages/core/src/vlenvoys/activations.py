@@ -162,7 +162,7 @@ def windows(texts: Iterable[str], tokenizer: Any, context_length: int, *, bos: b
         ValueError: ``context_length`` below 2 with ``bos`` (or below 1), or
             ``bos`` on a tokenizer with neither a BOS nor an EOS token.
     """
-    begin = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    begin = _begin_token(tokenizer)
     if bos and begin is None:
         raise ValueError("this tokenizer has neither a BOS nor an EOS token; pass bos=False")
     if context_length < (2 if bos else 1):
@@ -182,6 +182,11 @@ def windows(texts: Iterable[str], tokenizer: Any, context_length: int, *, bos: b
         for start in range(0, cut, body):
             yield ([begin] if bos else []) + stream[start : start + body]
         del stream[:cut]
+
+
+def _begin_token(tokenizer: Any) -> int | None:
+    """The token that starts a window and separates documents: BOS, or EOS where there is none."""
+    return tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
 
 
 @dataclass(frozen=True)
@@ -264,13 +269,11 @@ class _Shards:
         try:
             save_file(tensors, str(target) + ".tmp", metadata=metadata)
             os.replace(str(target) + ".tmp", target)
-            tokens = int(tensors["token_ids"].shape[0])
-            self.done.append({"file": name, "windows": [first, last], "tokens": tokens})
-            self._write_manifest()
+            shard = {"file": name, "windows": [first, last], "tokens": int(tensors["token_ids"].shape[0])}
+            self._write_manifest(self.done + [shard])
+            self.done.append(shard)  # complete only once the manifest lists it
         except OSError as error:
             Path(str(target) + ".tmp").unlink(missing_ok=True)
-            if self.done and self.done[-1]["file"] == name and not target.exists():
-                self.done.pop()
             full = " (the disk is full)" if error.errno == errno.ENOSPC else ""
             raise OSError(
                 error.errno,
@@ -280,15 +283,15 @@ class _Shards:
 
     def finish(self) -> None:
         self.complete = True
-        self._write_manifest()
+        self._write_manifest(self.done)
 
-    def _write_manifest(self) -> None:
+    def _write_manifest(self, done: list[dict]) -> None:
         manifest = {
             "format": FORMAT,
             "plan": asdict(self.plan),
             "complete": self.complete,
-            "tokens": sum(shard["tokens"] for shard in self.done),
-            "shards": self.done,
+            "tokens": sum(shard["tokens"] for shard in done),
+            "shards": done,
         }
         temporary = self.manifest.with_suffix(".json.tmp")
         temporary.write_text(json.dumps(manifest, indent=1))
@@ -483,9 +486,8 @@ def collect_dataset(
     total = None if limit is None else (limit - start) * context_length
     if total is None and isinstance(source, (str, os.PathLike)) and Path(source).is_file():
         total = _count_windows(source, field, tokenizer, context_length, bos, start) * context_length
-    begin = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
     writer = _Writer(shards)
-    assembler = _Assembler(plan, start, windows_of, writer, begin)
+    assembler = _Assembler(plan, start, windows_of, writer, _begin_token(tokenizer))
     bar = _progress_bar(progress, total)
     try:
         stream(

@@ -231,8 +231,9 @@ def check_served(model: str, values: list[str]) -> None:
 
     kinds = {"layer": "layer", "self_attn": "attention", "mlp": "mlp"}
     owners = dict((name, owner) for owner, name in VALUES)
+    served = vlenvoys.support(model)
     for value in values:
-        row = vlenvoys.support(model)[kinds[owners[value]], value]
+        row = served[kinds[owners[value]], value]
         if not row.available:
             raise vlenvoys.Unavailable(value, "this model", row.note)
 
