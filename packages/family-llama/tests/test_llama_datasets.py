@@ -1,0 +1,276 @@
+"""vlenvoys.activations: a corpus cut into windows, its values streamed to shards equal to transformers' and collect's."""
+
+from __future__ import annotations
+
+import errno
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from vlenvoys import oracle, testing
+from vlenvoys.activations import Activations, collect_dataset, documents, windows
+from vlenvoys.cli import app
+from vlenvoys.collect import collect
+from vlenvoys.conformance import close, same_rows
+
+on_tiny_llama = pytest.mark.parametrize("subject", ["LlamaForCausalLM"], indirect=True)
+
+#: Documents of a few to a few dozen tokens: windows of 16 cross document boundaries.
+CORPUS = list(testing.PROMPTS) + [
+    "A language model reads a sequence of tokens and predicts the next one.",
+    "One, two, three, four, five, six, seven, eight, nine, ten.",
+    "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday and Sunday are the days of the week.",
+    "When it is small and random, its answers make no sense, but its numbers can still be checked.",
+    "Some people drink tea with honey, others with nothing at all.",
+]
+CONTEXT = 16
+VALUES = ["attention_output", "layer_output", "mlp_neurons"]
+
+
+def corpus_file(folder) -> str:
+    path = folder / "corpus.jsonl"
+    path.write_text("".join(json.dumps({"text": text, "id": index}) + "\n" for index, text in enumerate(CORPUS)))
+    return str(path)
+
+
+def rows(folder) -> dict[str, torch.Tensor]:
+    """Every shard's tensors, concatenated in shard order."""
+    written = Activations(folder)
+    shards = [written.shard(index) for index in range(len(written.shards))]
+    return {key: torch.cat([shard[key] for shard in shards]) for key in shards[0]}
+
+
+def file_bytes(folder) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(folder.glob("shard-*.safetensors"))}
+
+
+def assert_same_dataset(folder, other, subject) -> None:
+    """The same rows of the same windows; values as `same_rows` holds a request's values computed in other batches."""
+    got, want = rows(folder), rows(other)
+    assert got.keys() == want.keys()
+    for key in ("token_ids", "window", "position"):
+        assert torch.equal(got[key], want[key]), key
+    for key in got.keys() - {"token_ids", "window", "position"}:
+        assert same_rows(got[key], want[key], subject), key
+
+
+def stored_as(got: torch.Tensor, full: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether ``got`` is the float32 ``full`` rounded to ``dtype`` (within one rounding, and float32's bound on a GPU)."""
+    scale = full.abs().amax(-1, keepdim=True).clamp(min=1.0)
+    return got.dtype == dtype and bool(((got.float() - full).abs() <= full.abs() * torch.finfo(dtype).eps + 1e-4 * scale).all())
+
+
+def engine_is_idle(model) -> bool:
+    engine = model.vllm_entrypoint.llm_engine
+    return not engine.has_unfinished_requests() and engine.collective_rpc("nnsight_request_count") == [0]
+
+
+@pytest.fixture(scope="module")
+def full_run(subject, tmp_path_factory):
+    """One complete run in float32, three windows a shard, the reference the other tests compare with."""
+    folder = tmp_path_factory.mktemp("full") / "acts"
+    source = corpus_file(folder.parent)
+    written = collect_dataset(
+        subject.model, source, folder, VALUES, [0, -1], context_length=CONTEXT, dtype="float32", shard_tokens=3 * CONTEXT, progress=False
+    )
+    cut = list(windows(documents(source), subject.model.tokenizer, CONTEXT))
+    return folder, source, written, cut
+
+
+@on_tiny_llama
+def test_shards_equal_transformers_and_collect(subject, full_run):
+    folder, _, written, cut = full_run
+    model, last = subject.model, subject.model.num_layers - 1
+    assert len(cut) >= 7, "the corpus should make several shards"
+    assert written.complete and len(written) == len(cut) * CONTEXT
+    assert written.keys == [f"{value}.{layer}" for layer in (0, last) for value in VALUES]
+    assert len(written.shards) == -(-len(cut) // 3) and not list(folder.glob("*.tmp"))
+    got = rows(folder)
+    assert got["token_ids"].tolist() == [token for window in cut for token in window]
+    assert got["window"].tolist() == [index for index in range(len(cut)) for _ in range(CONTEXT)]
+    assert got["position"].tolist() == list(range(CONTEXT)) * len(cut)
+    assert all(window[0] == model.tokenizer.bos_token_id for window in cut)
+    by_collect = collect(model, cut, VALUES, [0, last], batch_size=4)
+    for index, window in enumerate(cut):
+        expected = oracle.reference(subject.reference, window, subject.layout)["values"]
+        span = slice(index * CONTEXT, (index + 1) * CONTEXT)
+        for value in VALUES:
+            for layer in (0, last):
+                tensor = got[f"{value}.{layer}"][span]
+                assert tensor.dtype == torch.float32
+                assert same_rows(tensor, by_collect[f"{value}.{layer}"][index][0], subject), (value, layer, index)
+                assert close(subject, f"dataset: {value}", tensor, expected[value][layer][0]), (value, layer, index)
+    assert engine_is_idle(model)
+
+
+@on_tiny_llama
+def test_positions_and_dtype(subject, full_run, tmp_path):
+    folder, source, _, cut = full_run
+    full, bos = rows(folder), subject.model.tokenizer.bos_token_id
+    no_bos = collect_dataset(
+        subject.model, source, tmp_path / "no_bos", "layer_output", [0], context_length=CONTEXT, positions="no_bos", progress=False
+    )
+    got, kept = rows(no_bos.folder), full["token_ids"] != bos
+    assert kept.sum() < len(kept), "the corpus should hold BOS separators"
+    assert torch.equal(got["token_ids"], full["token_ids"][kept])
+    assert torch.equal(got["position"], full["position"][kept])
+    assert stored_as(got["layer_output.0"], full["layer_output.0"][kept], torch.bfloat16)
+    last = collect_dataset(
+        subject.model, source, tmp_path / "last", "mlp_neurons", [0], context_length=CONTEXT, positions="last", dtype=torch.float16,
+        max_tokens=4 * CONTEXT + 5, progress=False,
+    )
+    got, ends = rows(last.folder), full["position"] == CONTEXT - 1
+    assert len(last) == 4 and got["window"].tolist() == [0, 1, 2, 3]
+    assert stored_as(got["mlp_neurons.0"], full["mlp_neurons.0"][ends][:4], torch.float16)
+
+
+@on_tiny_llama
+def test_batches_give_each_row_once(subject, full_run):
+    _, _, written, _ = full_run
+    full = rows(written.folder)
+    ordered = list(written.batches(10))
+    assert [len(batch["token_ids"]) for batch in ordered[:-1]] == [10] * (len(ordered) - 1)
+    assert torch.equal(torch.cat([batch["layer_output.0"] for batch in ordered]), full["layer_output.0"])
+    shuffled = list(written.batches(7, keys=["layer_output.0"], shuffle=True, seed=3, buffer_shards=2))
+    assert set(shuffled[0]) == {"layer_output.0", "token_ids"}
+    together = torch.cat([batch["layer_output.0"] for batch in shuffled])
+    assert not torch.equal(together, full["layer_output.0"])
+    # The same rows, each as often: their distinct rows and counts agree.
+    for mine, theirs in zip(torch.unique(together, dim=0, return_counts=True), torch.unique(full["layer_output.0"], dim=0, return_counts=True)):
+        assert torch.equal(mine, theirs)
+    again = torch.cat([batch["layer_output.0"] for batch in written.batches(7, keys=["layer_output.0"], shuffle=True, seed=3, buffer_shards=2)])
+    assert torch.equal(again, together)  # seeded
+    dropped = list(written.batches(7, drop_last=True))
+    assert all(len(batch["token_ids"]) == 7 for batch in dropped) and len(dropped) == len(written) // 7
+    with pytest.raises(KeyError, match="not in this dataset"):
+        next(written.batches(4, keys=["layer_input.0"]))
+
+
+@on_tiny_llama
+def test_an_interrupted_run_continues_after_its_last_complete_shard(subject, full_run, tmp_path, monkeypatch):
+    folder, source, _, cut = full_run
+    out = tmp_path / "acts"
+    from vlenvoys import activations
+
+    deliver, delivered = activations._Assembler.deliver, []
+
+    def interrupted(self, offset, values):
+        if len(delivered) == 5:  # a shard of three written, the next half assembled
+            raise KeyboardInterrupt
+        delivered.append(offset)
+        deliver(self, offset, values)
+
+    monkeypatch.setattr(activations._Assembler, "deliver", interrupted)
+    arguments = dict(context_length=CONTEXT, dtype="float32", shard_tokens=3 * CONTEXT, progress=False)
+    with pytest.raises(KeyboardInterrupt):
+        collect_dataset(subject.model, source, out, VALUES, [0, -1], batch_size=2, **arguments)
+    assert engine_is_idle(subject.model)
+    partial = Activations(out)
+    assert not partial.complete and len(partial.shards) == 1 and not list(out.glob("*.tmp"))
+    before = {path.name: path.stat().st_mtime_ns for path in out.glob("shard-*.safetensors")}
+    monkeypatch.setattr(activations._Assembler, "deliver", deliver)
+    resumed = collect_dataset(subject.model, source, out, VALUES, [0, -1], **arguments)
+    assert resumed.complete
+    assert {name: (out / name).stat().st_mtime_ns for name in before} == before  # not written again
+    assert_same_dataset(out, folder, subject)  # the same shards as the run never interrupted
+    assert collect_dataset(subject.model, source, out, VALUES, [0, -1], **arguments).complete  # done: returned as it is
+
+
+@on_tiny_llama
+def test_a_full_disk_keeps_the_shards_before_and_a_rerun_continues(subject, full_run, tmp_path, monkeypatch):
+    import safetensors.torch
+
+    folder, source, _, _ = full_run
+    out, save, calls = tmp_path / "acts", safetensors.torch.save_file, []
+
+    def full_disk(tensors, filename, metadata=None):
+        calls.append(filename)
+        if len(calls) == 3:
+            with open(filename, "wb") as partial:
+                partial.write(b"half a shard")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        save(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    arguments = dict(context_length=CONTEXT, dtype="float32", shard_tokens=3 * CONTEXT, progress=False)
+    with pytest.raises(OSError, match=r"shard-00002.safetensors failed \(the disk is full\).*the 2 shards before it are complete") as raised:
+        collect_dataset(subject.model, source, out, VALUES, [0, -1], **arguments)
+    assert raised.value.errno == errno.ENOSPC
+    assert engine_is_idle(subject.model)
+    assert len(Activations(out).shards) == 2 and not list(out.glob("*.tmp"))
+    monkeypatch.setattr(safetensors.torch, "save_file", save)
+    assert collect_dataset(subject.model, source, out, VALUES, [0, -1], **arguments).complete
+    assert_same_dataset(out, folder, subject)
+
+
+@on_tiny_llama
+def test_bad_inputs_are_refused_and_the_engine_goes_on(subject, full_run, tmp_path):
+    folder, source, _, _ = full_run
+    model = subject.model
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    with pytest.raises(ValueError, match="fewer tokens than one window of 16"):
+        collect_dataset(model, empty, tmp_path / "a", "layer_output", [0], context_length=CONTEXT, progress=False)
+    with pytest.raises(ValueError, match=r"line 1 has no field 'body' \(it has \['id', 'text'\]\)"):
+        collect_dataset(model, source, tmp_path / "b", "layer_output", [0], context_length=CONTEXT, field="body", progress=False)
+    with pytest.raises(ValueError, match="longer than this engine serves"):
+        collect_dataset(model, source, tmp_path / "c", "layer_output", [0], context_length=10_000, progress=False)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        collect_dataset(model, source, tmp_path / "d", "layer_output", [0], context_length=CONTEXT, dtype="int8", progress=False)
+    with pytest.raises(ValueError, match="positions must be one of"):
+        collect_dataset(model, source, tmp_path / "e", "layer_output", [0], context_length=CONTEXT, positions="first", progress=False)
+    with pytest.raises(ValueError, match="'no_such_value' is not a block value; choose from layer_input"):
+        collect_dataset(model, source, tmp_path / "f", "no_such_value", [0], context_length=CONTEXT, progress=False)
+    with pytest.raises(FileNotFoundError):
+        collect_dataset(model, tmp_path / "missing.txt", tmp_path / "g", "layer_output", [0], context_length=CONTEXT, progress=False)
+    assert not any((tmp_path / name).exists() for name in "abcdefg")  # a refused run leaves no folder
+    before = file_bytes(folder)
+    with pytest.raises(FileExistsError, match=r"another run \(layers: \[0, 2\] -> \[1\]"):
+        collect_dataset(model, source, folder, VALUES, [1], context_length=CONTEXT, dtype="float32", shard_tokens=3 * CONTEXT, progress=False)
+    assert file_bytes(folder) == before
+    with pytest.raises(FileNotFoundError, match="not a folder collect_dataset wrote"):
+        Activations(tmp_path)
+    assert engine_is_idle(model)
+    again = collect_dataset(model, CORPUS, tmp_path / "h", "layer_output", [0], context_length=CONTEXT, dtype="float32", progress=False)
+    assert same_rows(rows(again.folder)["layer_output.0"], rows(folder)["layer_output.0"], subject)  # a list of strings: the same windows
+
+
+@on_tiny_llama
+def test_a_saved_dataset_is_a_source(subject, full_run, tmp_path):
+    import datasets
+
+    folder, _, _, _ = full_run
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_dict({"text": CORPUS}).save_to_disk(str(saved))
+    got = collect_dataset(subject.model, saved, tmp_path / "acts", "layer_output", [0, -1], context_length=CONTEXT, dtype="float32", progress=False)
+    for key in ("token_ids", "window", "position", "layer_output.0", "layer_output.2"):
+        assert same_rows(rows(got.folder)[key], rows(folder)[key], subject), key
+
+
+def test_collect_command_writes_shards(tmp_path):
+    """The CLI's windows mode on its own engine; a second run finds the collection complete without starting one."""
+    model = testing.tiny_model("LlamaForCausalLM", tmp_path / "model")
+    source = corpus_file(tmp_path)
+    out = tmp_path / "acts"
+    command = ["collect", source, str(model), "--context-length", str(CONTEXT), "--value", "layer_output,mlp_neurons", "--layers", "0,-1"]
+    command += ["--out", str(out), "--shard-tokens", "64", "--max-tokens", "100", "--dtype", "float32", "--positions", "no_bos"]
+    result = CliRunner().invoke(app, command)
+    assert result.exit_code == 0, result.output
+    written = Activations(out)
+    assert written.complete and written.keys == ["layer_output.0", "mlp_neurons.0", "layer_output.2", "mlp_neurons.2"]
+    assert written.plan.context_length == CONTEXT and written.plan.positions == "no_bos"
+    got = rows(out)
+    assert sorted(set(got["window"].tolist())) == list(range(6))  # 100 tokens: six whole windows
+    from transformers import AutoTokenizer
+
+    reference = oracle.load_reference(model)
+    window = list(windows(documents(source), AutoTokenizer.from_pretrained(model), CONTEXT))[1]
+    expected = oracle.reference(reference, window)["values"]["layer_output"][2][0]
+    mine = got["window"] == 1
+    assert (got["layer_output.2"][mine] - expected[got["position"][mine].long()]).abs().max() <= 1e-4
+    again = CliRunner().invoke(app, command)
+    assert again.exit_code == 0 and "already holds this collection, complete" in " ".join(again.output.split())  # rich wraps lines
+    other = CliRunner().invoke(app, command[:-2] + ["--positions", "last"])
+    assert other.exit_code == 1 and "positions: 'no_bos' -> 'last'" in " ".join(other.output.split())
