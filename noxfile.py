@@ -124,12 +124,14 @@ def lens(session: nox.Session) -> None:
 
 @nox.session(requires=["bench_nnterp"])
 def bench(session: nox.Session) -> None:
-    """Benchmarks on the real SmolLM2: writes benchmarks/results.md and results.png (with bench_nnterp's rows)."""
+    """Benchmarks on the real SmolLM2: benchmarks/results.md and results.png (with bench_nnterp's rows), results-datasets-cpu.md."""
     install(session, "packages/family-llama", real_model=True)
     session.install("tabulate", "psutil")
     # Not skipped by `nox -R`: a reused environment still benchmarks this checkout's code.
     session.run("pip", "install", "--quiet", "--no-deps", "--force-reinstall", "packages/core", "packages/family-llama")
     session.run("python", "benchmarks/bench.py", "--nnterp", "build/bench_nnterp.json", *session.posargs, env=ENV)
+    # Activation datasets: collect_dataset's tokens/s and peak memory against plain prefill, at growing corpus sizes.
+    session.run("python", "benchmarks/datasets.py", env=ENV)
 
 
 @nox.session

@@ -1,0 +1,142 @@
+"""Activation datasets at scale: vlenvoys.activations.collect_dataset against plain prefill of the same windows.
+
+For each corpus size (tokens of windows) it measures, on one engine:
+
+- tokens/s of ``collect_dataset`` (one value at one layer, bfloat16 shards on
+  disk) and of plain vLLM prefill of the same windows with as many in flight;
+- the peak resident memory of this process and vLLM's (sampled every 5 ms)
+  during each, to show that a longer corpus does not take more memory;
+- the bytes written.
+
+On the CPU: the built-in SmolLM2-135M (float32). Where torch sees a GPU:
+bench.py's random Llama of a 1B shape in bfloat16. Run with ``nox -s bench``
+(CPU sizes) or ``python benchmarks/datasets.py --tokens 1e4 1e5 1e6``.
+Writes benchmarks/results-datasets-TAG.md and .json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import vlenvoys
+from vlenvoys.activations import collect_dataset, windows
+
+# This file's folder is on the path when it runs as a script.
+from bench import MAX_MODEL_LEN, PeakRSS, checkout, cuda_checkpoint, github_table, stop
+from workloads import prompts
+
+
+def plain_prefill(model, cut: list[list[int]], in_flight: int) -> None:
+    """Plain vLLM requests for ``cut``'s windows, one token each, at most ``in_flight`` at once, as collect submits them."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    engine = model.vllm_entrypoint.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
+    following, running = 0, set()
+    while following < len(cut) or running:
+        while following < len(cut) and len(running) < in_flight:
+            engine.add_request(f"plain-window-{following}", {"prompt_token_ids": cut[following]}, params)
+            running.add(f"plain-window-{following}")
+            following += 1
+        for output in engine.step():
+            if output.finished:
+                running.discard(output.request_id)
+
+
+def corpus(tokenizer, tokens: int, context_length: int) -> tuple[list[str], list[list[int]]]:
+    """Documents that make at least ``tokens`` tokens of windows, and those windows (cut as collect_dataset cuts them)."""
+    documents: list[str] = []
+    while True:
+        documents += prompts(2000, 20, 400, seed=len(documents))
+        cut = list(windows(documents, tokenizer, context_length))
+        if len(cut) * context_length >= tokens:
+            return documents, cut[: tokens // context_length]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=float, nargs="+", help="corpus sizes in tokens (default 1e4 1e5; 1e4 1e5 1e6 on a GPU)")
+    parser.add_argument("--context-length", type=int, default=128, help="tokens per window (128, as SAE training code uses)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each side below 1e5 tokens (one above)")
+    parser.add_argument("--tag", help="results-datasets-TAG.* (default cpu, or h200 on a GPU)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent)
+    parser.add_argument("--folder", type=Path, help="where the shards go (a temporary folder, removed after each run)")
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    sizes = [int(size) for size in (args.tokens or ([1e4, 1e5, 1e6] if cuda else [1e4, 1e5]))]
+    tag = args.tag or ("h200" if cuda else "cpu")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if cuda:
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # GPU_NOTES.md: the bundle has no flashinfer
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        path = cuda_checkpoint("1b")
+        model = vlenvoys.load(str(path), dtype="bfloat16", max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False,
+                              gpu_memory_utilization=0.5)
+        described = "random Llama, 1B shape, bfloat16"
+    else:
+        from vlenvoys.weights import smollm2_path
+
+        path = smollm2_path()
+        model = vlenvoys.load(str(path), enable_prefix_caching=False)
+        described = "SmolLM2-135M-Instruct, float32"
+    layer = model.num_layers // 2
+    in_flight = model.vllm_entrypoint.llm_engine.vllm_config.scheduler_config.max_num_seqs
+    scratch = Path(tempfile.mkdtemp(prefix="vlenvoys-datasets-", dir=args.folder))
+    rows, measured = [], []
+    try:
+        texts, warm = corpus(model.tokenizer, 8 * args.context_length, args.context_length)
+        plain_prefill(model, warm, in_flight)  # warm-up of both sides: the first collection installs its hooks
+        collect_dataset(model, texts, scratch / "warm", "layer_output", [layer], context_length=args.context_length,
+                        max_tokens=len(warm) * args.context_length, progress=False)
+        for size in sizes:
+            documents, cut = corpus(model.tokenizer, size, args.context_length)
+            tokens = len(cut) * args.context_length
+            repeats = args.repeats if size < 100_000 else 1
+            plain_seconds, ours_seconds, plain_peak, ours_peak, written = [], [], 0.0, 0.0, 0
+            for _ in range(repeats):
+                with PeakRSS() as peak:
+                    start = time.perf_counter()
+                    plain_prefill(model, cut, in_flight)
+                    plain_seconds.append(time.perf_counter() - start)
+                plain_peak = max(plain_peak, peak.peak)
+                folder = scratch / "acts"
+                with PeakRSS() as peak:
+                    start = time.perf_counter()
+                    collect_dataset(model, documents, folder, "layer_output", [layer], context_length=args.context_length,
+                                    max_tokens=tokens, progress=False)
+                    ours_seconds.append(time.perf_counter() - start)
+                ours_peak = max(ours_peak, peak.peak)
+                written = sum(file.stat().st_size for file in folder.iterdir())
+                shutil.rmtree(folder)
+            plain_rate, ours_rate = tokens / min(plain_seconds), tokens / min(ours_seconds)
+            measured.append({"tokens": tokens, "plain_tokens_per_s": plain_rate, "dataset_tokens_per_s": ours_rate,
+                             "plain_peak_mib": plain_peak, "dataset_peak_mib": ours_peak, "bytes_written": written,
+                             "repeats": repeats})
+            rows.append((f"{tokens:,}", f"{ours_rate:,.0f}", f"{plain_rate:,.0f}", f"{ours_rate / plain_rate:.3f}",
+                         f"{ours_peak:,.0f}", f"{plain_peak:,.0f}", f"{written / 2**20:,.0f}"))
+            print(" | ".join(rows[-1]), flush=True)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+        stop(model)
+    headers = ("tokens", "collect_dataset tok/s", "plain prefill tok/s", "ratio", "collect_dataset peak MiB",
+               "plain prefill peak MiB", "written MiB")
+    device = torch.cuda.get_device_name() if cuda else f"CPU, {os.cpu_count()} cores"
+    header = (f"{device}; {described}; layer_output at block {layer}, windows of {args.context_length} tokens, "
+              f"{in_flight} in flight, bfloat16 shards; peak = this process and vLLM's, resident; "
+              f"best of the runs; vlenvoys-core {vlenvoys.__version__} at {checkout()}")
+    table = github_table(rows, headers)
+    (args.out / f"results-datasets-{tag}.md").write_text(f"{header}\n\n{table}\n")
+    (args.out / f"results-datasets-{tag}.json").write_text(json.dumps({"header": header, "rows": measured}, indent=1))
+    print(f"{header}\n\n{table}")
+
+
+if __name__ == "__main__":
+    main()
