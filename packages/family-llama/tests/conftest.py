@@ -13,6 +13,10 @@ MODELS = {
     "Qwen3ForCausalLM": ("Qwen3ForCausalLM", {}),
     "Qwen2MoeForCausalLM": ("Qwen2MoeForCausalLM", {}),
     "MixtralForCausalLM": ("MixtralForCausalLM", {}),
+    # transformers' fused qkv_proj/gate_up_proj need no layout of their own: the oracle reads q/k/v
+    # in the attention function and the neurons at down_proj's input, as for Llama.
+    "Phi3ForCausalLM": ("Phi3ForCausalLM", {}),
+    "Qwen3MoeForCausalLM": ("Qwen3MoeForCausalLM", {}),
     # Multipliers far from 1: embedding 8, residual 0.5, attention 0.25, logits scaling 0.5.
     "GraniteForCausalLM": ("GraniteForCausalLM", {}, GRANITE_LAYOUT),
     "SmolLM2": (None, {}),

@@ -10,6 +10,7 @@ def test_families_lists_llama():
 
     assert llama.distribution == "vlenvoys-llama"
     assert llama.version == vlenvoys_llama.__version__
-    assert {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"} <= set(
-        llama.family.architectures
-    )
+    assert {
+        "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
+        "Qwen3MoeForCausalLM",
+    } <= set(llama.family.architectures)

@@ -27,7 +27,7 @@ GROUP = "vlenvoys.families"
 PUBLISHED = {
     "vlenvoys-llama": (
         "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM",
-        "MixtralForCausalLM", "GraniteForCausalLM",
+        "MixtralForCausalLM", "GraniteForCausalLM", "Phi3ForCausalLM", "Qwen3MoeForCausalLM",
     ),
     "vlenvoys-gpt2": ("GPT2LMHeadModel",),
     "vlenvoys-gemma": ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"),

@@ -120,6 +120,21 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "shared_expert_intermediate_size": 128,
     },
     "MixtralForCausalLM": _DECODER | {"num_local_experts": 4, "num_experts_per_tok": 2},
+    # The pretraining context (the long-context rope's threshold; 4096 by default) set to the
+    # tiny one; _BASE's pad id replaces Phi-3's 32000, outside the tiny vocabulary.
+    "Phi3ForCausalLM": _DECODER | {"original_max_position_embeddings": 256},
+    # No shared expert; every block sparse (decoder_sparse_step 1, no mlp_only_layers);
+    # renormalized top-k weights, as the released Qwen3-MoE checkpoints.
+    "Qwen3MoeForCausalLM": _DECODER
+    | _HEAD_DIM
+    | {
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "norm_topk_prob": True,
+    },
 }
 
 

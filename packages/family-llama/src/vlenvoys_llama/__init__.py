@@ -59,6 +59,10 @@ GRANITE = Architecture(layer=GraniteLayer, attention=GraniteAttention, mlp=Grani
 # Every block of the tiny test configs is sparse; a Qwen2-MoE checkpoint with dense
 # blocks (mlp_only_layers) would need those declared gated.
 QWEN2_MOE = Architecture(layer=LlamaLayer, mlp=RoutedMlp)
+# Qwen3-MoE's block has Llama's call and names (q/k norms inside attention) and a sparse
+# block with no shared expert; as with Qwen2-MoE, dense blocks (decoder_sparse_step > 1,
+# mlp_only_layers) would need declaring gated.
+QWEN3_MOE = Architecture(layer=LlamaLayer, mlp=RoutedMlp)
 MIXTRAL = Architecture(layer=LlamaLayer, mlp=RoutedMlp, rename={**BACKBONE_NAMES, "block_sparse_moe": "mlp"})
 
 class LlamaTransformersLayer(TransformersLayer):
@@ -82,7 +86,11 @@ FAMILY = Family(
         # Qwen2/Qwen3 blocks have Llama's call and names; qkv bias and q/k norms are inside attention.
         "Qwen2ForCausalLM": LLAMA,
         "Qwen3ForCausalLM": LLAMA,
+        # vLLM's Phi3ForCausalLM is its LlamaForCausalLM: it loads the checkpoint's fused
+        # qkv_proj/gate_up_proj into Llama's (already fused) projections.
+        "Phi3ForCausalLM": LLAMA,
         "Qwen2MoeForCausalLM": QWEN2_MOE,
+        "Qwen3MoeForCausalLM": QWEN3_MOE,
         "MixtralForCausalLM": MIXTRAL,
         "GraniteForCausalLM": GRANITE,
     },
