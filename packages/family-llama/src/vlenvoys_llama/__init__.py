@@ -56,13 +56,10 @@ LLAMA = Architecture(layer=LlamaLayer)
 # block 0's input), its attention scale is the kernel's, and its logits scaling
 # is the logits processor's: all read where vLLM keeps them, no declaration needed.
 GRANITE = Architecture(layer=GraniteLayer, attention=GraniteAttention, mlp=GraniteMlp)
-# Every block of the tiny test configs is sparse; a Qwen2-MoE checkpoint with dense
-# blocks (mlp_only_layers) would need those declared gated.
-QWEN2_MOE = Architecture(layer=LlamaLayer, mlp=RoutedMlp)
-# Qwen3-MoE's block has Llama's call and names (q/k norms inside attention) and a sparse
-# block with no shared expert; as with Qwen2-MoE, dense blocks (decoder_sparse_step > 1,
-# mlp_only_layers) would need declaring gated.
-QWEN3_MOE = Architecture(layer=LlamaLayer, mlp=RoutedMlp)
+# Qwen2-MoE and Qwen3-MoE (q/k norms inside attention, no shared expert): Llama's block
+# with a sparse MLP. Every block of the tiny test configs is sparse; a checkpoint with
+# dense blocks (mlp_only_layers, decoder_sparse_step > 1) would need those declared gated.
+QWEN_MOE = Architecture(layer=LlamaLayer, mlp=RoutedMlp)
 MIXTRAL = Architecture(layer=LlamaLayer, mlp=RoutedMlp, rename={**BACKBONE_NAMES, "block_sparse_moe": "mlp"})
 
 class LlamaTransformersLayer(TransformersLayer):
@@ -89,8 +86,8 @@ FAMILY = Family(
         # vLLM's Phi3ForCausalLM is its LlamaForCausalLM: it loads the checkpoint's fused
         # qkv_proj/gate_up_proj into Llama's (already fused) projections.
         "Phi3ForCausalLM": LLAMA,
-        "Qwen2MoeForCausalLM": QWEN2_MOE,
-        "Qwen3MoeForCausalLM": QWEN3_MOE,
+        "Qwen2MoeForCausalLM": QWEN_MOE,
+        "Qwen3MoeForCausalLM": QWEN_MOE,
         "MixtralForCausalLM": MIXTRAL,
         "GraniteForCausalLM": GRANITE,
     },
