@@ -335,40 +335,70 @@ class _Writer:
 
 
 class _Assembler:
-    """Windows' values in window order, cut into shards of ``shard_windows`` windows each."""
+    """Windows' values in window order, cut into shards of ``shard_windows`` windows each.
 
-    def __init__(self, plan: Plan, first_window: int, windows_of: dict[int, list[int]], writer: _Writer, begin: int | None) -> None:
-        self.plan, self.writer, self.windows_of, self.begin = plan, writer, windows_of, begin
+    Each window's kept rows are copied once, from the engine's memory straight
+    into their place in the shard's tensors (converted to the stored dtype on
+    the way): the place is known when the window is drawn, from the rows the
+    windows before it in the shard keep.
+    """
+
+    def __init__(self, plan: Plan, first_window: int, writer: _Writer, begin: int | None) -> None:
+        self.plan, self.writer, self.begin = plan, writer, begin
         self.dtype = DTYPES[plan.dtype]
-        self.first = first_window  # the run's first window: the stream counts its prompts from here
         self.start = first_window  # the first window of the shard being assembled
-        self.arrived: dict[int, dict[str, torch.Tensor]] = {}
+        self.first = first_window  # the run's first window: the stream counts its prompts from here
+        #: Per window drawn and not yet written: (token ids, kept positions, first row in its shard).
+        self.placed: dict[int, tuple[list[int], torch.Tensor | slice, int]] = {}
+        self.rows_in: dict[int, int] = {}  # shard start window -> rows placed so far
+        self.buffers: dict[int, dict[str, torch.Tensor]] = {}  # shard start window -> its value tensors
+        self.arrived: set[int] = set()
+
+    def register(self, window: int, ids: list[int]) -> list[int]:
+        """A window drawn from the corpus: where its rows go. Returns ``ids`` (for the stream)."""
+        keep = self._kept(ids)
+        count = len(range(len(ids))[keep]) if isinstance(keep, slice) else len(keep)
+        shard = window - (window - self.first) % self.plan.shard_windows
+        row = self.rows_in.get(shard, 0)
+        self.rows_in[shard] = row + count
+        self.placed[window] = (ids, keep, row)
+        return ids
 
     def deliver(self, offset: int, values: dict[str, torch.Tensor]) -> None:
         """One window's values (the stream's ``offset``-th prompt) in; every shard now whole out to the writer."""
         window = self.first + offset
-        ids = self.windows_of[window]
-        keep = self._kept(ids)
-        rows = {key: value[0, keep].to(self.dtype) for key, value in values.items()}
-        rows["token_ids"] = torch.tensor(ids, dtype=torch.int32)[keep]
-        rows["position"] = keep.to(torch.int32)
-        rows["window"] = torch.full((len(keep),), window, dtype=torch.int64)
-        self.arrived[window] = rows
+        _, keep, row = self.placed[window]
+        shard = window - (window - self.first) % self.plan.shard_windows
+        buffers = self.buffers.get(shard)
+        if buffers is None:
+            most = self.plan.shard_windows * self.plan.context_length  # the rows a shard keeps at most
+            buffers = self.buffers[shard] = {
+                key: torch.empty((most, *value.shape[2:]), dtype=self.dtype) for key, value in values.items()
+            }
+        for key, value in values.items():
+            rows = value[0, keep] if isinstance(keep, slice) else value[0].index_select(0, keep)
+            buffers[key][row : row + rows.shape[0]].copy_(rows)
+        self.arrived.add(window)
         while all(index in self.arrived for index in range(self.start, self.start + self.plan.shard_windows)):
             self._flush(self.start + self.plan.shard_windows)
 
-    def _kept(self, ids: list[int]) -> torch.Tensor:
+    def _kept(self, ids: list[int]) -> torch.Tensor | slice:
         if self.plan.positions == "last":
-            return torch.tensor([len(ids) - 1])
+            return slice(len(ids) - 1, len(ids))
         if self.plan.positions == "no_bos" and self.begin is not None:
             return torch.tensor([position for position, token in enumerate(ids) if token != self.begin], dtype=torch.long)
-        return torch.arange(len(ids))
+        return slice(0, len(ids))
 
     def _flush(self, end: int) -> None:
-        parts = [self.arrived.pop(index) for index in range(self.start, end)]
-        for index in range(self.start, end):
-            self.windows_of.pop(index)
-        shard = {key: torch.cat([part[key] for part in parts]).contiguous() for key in parts[0]}
+        windows = range(self.start, end)
+        placed = [self.placed.pop(index) for index in windows]
+        self.arrived.difference_update(windows)
+        rows = self.rows_in.pop(self.start)
+        shard = {key: buffer[:rows] for key, buffer in self.buffers.pop(self.start).items()}
+        positions = [torch.arange(len(ids))[keep] for ids, keep, _ in placed]
+        shard["token_ids"] = torch.cat([torch.tensor(ids, dtype=torch.int32)[keep] for ids, keep, _ in placed])
+        shard["position"] = torch.cat(positions).to(torch.int32)
+        shard["window"] = torch.cat([torch.full((len(kept),), index, dtype=torch.int64) for index, kept in zip(windows, positions)])
         self.writer.put(shard, self.start, end)
         self.start = end
 
@@ -476,23 +506,17 @@ def collect_dataset(
             return Activations(out)
         raise ValueError(f"{_describe(source)} holds fewer tokens than one window of {context_length}")
     start = shards.windows_done
-    windows_of: dict[int, list[int]] = {}
-
-    def registered(numbered: Iterator[tuple[int, list[int]]]) -> Iterator[list[int]]:
-        for window, ids in numbered:
-            windows_of[window] = ids  # until its shard is written: the token ids and positions go in it
-            yield ids
 
     total = None if limit is None else (limit - start) * context_length
     if total is None and isinstance(source, (str, os.PathLike)) and Path(source).is_file():
         total = _count_windows(source, field, tokenizer, context_length, bos, start) * context_length
     writer = _Writer(shards)
-    assembler = _Assembler(plan, start, windows_of, writer, _begin_token(tokenizer))
+    assembler = _Assembler(plan, start, writer, _begin_token(tokenizer))
     bar = _progress_bar(progress, total)
     try:
         stream(
             model,
-            registered(enumerate(itertools.chain([first], cut), start=start)),
+            itertools.starmap(assembler.register, enumerate(itertools.chain([first], cut), start=start)),
             reads,
             assembler.deliver,
             batch_size=batch_size or _scheduled_at_once(model),
