@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -215,6 +216,11 @@ def test_bad_inputs_are_refused_and_the_engine_goes_on(subject, full_run, tmp_pa
         collect_dataset(model, empty, tmp_path / "a", "layer_output", [0], context_length=CONTEXT, progress=False)
     with pytest.raises(ValueError, match=r"line 1 has no field 'body' \(it has \['id', 'text'\]\)"):
         collect_dataset(model, source, tmp_path / "b", "layer_output", [0], context_length=CONTEXT, field="body", progress=False)
+    broken = tmp_path / "broken.jsonl"  # a bad record after some windows are on the engine: read ahead, raised in turn
+    broken.write_text(Path(source).read_text() + '{"body": "no text here"}\n')
+    with pytest.raises(ValueError, match=rf"line {len(CORPUS) + 1} has no field 'text'"):
+        collect_dataset(model, broken, tmp_path / "i", "layer_output", [0], context_length=CONTEXT, shard_tokens=CONTEXT, progress=False)
+    assert engine_is_idle(model)
     with pytest.raises(ValueError, match="longer than this engine serves"):
         collect_dataset(model, source, tmp_path / "c", "layer_output", [0], context_length=10_000, progress=False)
     with pytest.raises(ValueError, match="dtype must be one of"):

@@ -215,7 +215,11 @@ def _params(extra_args: dict) -> Any:
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
-    params = SamplingParams(temperature=0.0, max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY, extra_args=extra_args)
+    # Not detokenized: nobody reads the one token's text (vLLM's detokenizer was 2 % of the client's time
+    # in an activation dataset's collection on an H200).
+    params = SamplingParams(
+        temperature=0.0, max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY, extra_args=extra_args, detokenize=False
+    )
     # A prefix-cached token runs no forward, so its rows would be missing from the values.
     if hasattr(params, "skip_reading_prefix_cache"):
         params.skip_reading_prefix_cache = True
