@@ -184,53 +184,6 @@ def windows(texts: Iterable[str], tokenizer: Any, context_length: int, *, bos: b
         del stream[:cut]
 
 
-class _Failed:
-    """An error raised while drawing ahead, carried to the consumer."""
-
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-
-def _ahead(items: Iterator, depth: int) -> Iterator:
-    """``items`` drawn on a thread of their own, up to ``depth`` ahead of the caller, in order.
-
-    For the windows: the tokenizer works on the next documents (its batches
-    run outside the GIL) while the client feeds the engine; tokenizing in line
-    was a seventh of the client's time on an H200. An error while drawing is
-    raised where the item would have come; the thread stops when the caller does.
-    """
-    box: queue.Queue = queue.Queue(maxsize=depth)
-    stopped, done = threading.Event(), object()
-
-    def put(item: Any) -> bool:
-        while not stopped.is_set():
-            try:
-                box.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def draw() -> None:
-        try:
-            for item in items:
-                if not put(item):
-                    return
-        except BaseException as error:
-            put(_Failed(error))
-            return
-        put(done)
-
-    threading.Thread(target=draw, name="vlenvoys-windows", daemon=True).start()
-    try:
-        while (item := box.get()) is not done:
-            if isinstance(item, _Failed):
-                raise item.error
-            yield item
-    finally:
-        stopped.set()
-
-
 def _begin_token(tokenizer: Any) -> int | None:
     """The token that starts a window and separates documents: BOS, or EOS where there is none."""
     return tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
@@ -351,21 +304,38 @@ class _Writer:
     def __init__(self, shards: _Shards) -> None:
         self.shards = shards
         self.queue: queue.Queue = queue.Queue(maxsize=1)  # one shard waiting at most: memory stays flat
+        #: Shards' value tensors written and free to fill again: memory the system has already given
+        #: (a new shard-sized tensor costs a page fault and a zeroed page per 4 KiB at its first write).
+        self.free: queue.SimpleQueue = queue.SimpleQueue()
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._work, name="vlenvoys-shard-writer", daemon=True)
         self.thread.start()
 
     def _work(self) -> None:
         while (job := self.queue.get()) is not None:
+            tensors, first, last, buffers = job
             if self.error is None:
                 try:
-                    self.shards.write(*job)
+                    self.shards.write(tensors, first, last)
                 except BaseException as error:
                     self.error = error
+            del tensors, job
+            self.free.put(buffers)
 
-    def put(self, tensors: dict, first: int, last: int) -> None:
+    def put(self, tensors: dict, first: int, last: int, buffers: dict[str, torch.Tensor]) -> None:
+        """Write ``tensors`` (views of ``buffers``, which are free to reuse once written) as windows ``first`` to ``last - 1``."""
         self.raise_error()
-        self.queue.put((tensors, first, last))
+        self.queue.put((tensors, first, last, buffers))
+
+    def buffers(self, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:
+        """Tensors of these shapes and dtypes for a shard: a written shard's where they match, else new ones."""
+        while True:
+            try:
+                free = self.free.get_nowait()
+            except queue.Empty:
+                return {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in shapes.items()}
+            if {key: (tuple(tensor.shape), tensor.dtype) for key, tensor in free.items()} == shapes:
+                return free
 
     def stop(self) -> None:
         """Finish the shards already handed over, then end the thread."""
@@ -419,9 +389,8 @@ class _Assembler:
         buffers = self.buffers.get(shard)
         if buffers is None:
             most = self.plan.shard_windows * self.plan.context_length  # the rows a shard keeps at most
-            buffers = self.buffers[shard] = {
-                key: torch.empty((most, *value.shape[2:]), dtype=self.dtype) for key, value in values.items()
-            }
+            shapes = {key: ((most, *value.shape[2:]), self.dtype) for key, value in values.items()}
+            buffers = self.buffers[shard] = self.writer.buffers(shapes)
         for key, value in values.items():
             rows = value[0, keep] if isinstance(keep, slice) else value[0].index_select(0, keep)
             buffers[key][row : row + rows.shape[0]].copy_(rows)
@@ -441,7 +410,8 @@ class _Assembler:
         placed = [self.placed.pop(index) for index in windows]
         self.arrived.difference_update(windows)
         rows = self.rows_in.pop(self.start)
-        shard = {key: buffer[:rows] for key, buffer in self.buffers.pop(self.start).items()}
+        buffers = self.buffers.pop(self.start)
+        shard = {key: buffer[:rows] for key, buffer in buffers.items()}
         positions = [torch.arange(len(ids))[keep] for ids, keep, _ in placed]
         # One conversion of every window's ids (a tensor per window cost a second per 1e6 tokens on an H200's host).
         flat = torch.tensor(list(itertools.chain.from_iterable(ids for ids, _, _ in placed)), dtype=torch.int32)
@@ -449,7 +419,7 @@ class _Assembler:
         shard["token_ids"] = torch.cat([ids[keep] for ids, (_, keep, _) in zip(each, placed)])
         shard["position"] = torch.cat(positions).to(torch.int32)
         shard["window"] = torch.cat([torch.full((len(kept),), index, dtype=torch.int64) for index, kept in zip(windows, positions)])
-        self.writer.put(shard, self.start, end)
+        self.writer.put(shard, self.start, end, buffers)
         self.start = end
 
     def finish(self) -> None:
@@ -566,7 +536,7 @@ def collect_dataset(
     try:
         stream(
             model,
-            itertools.starmap(assembler.register, enumerate(itertools.chain([first], _ahead(cut, 4 * TOKENIZED_AT_ONCE)), start=start)),
+            itertools.starmap(assembler.register, enumerate(itertools.chain([first], cut), start=start)),
             reads,
             assembler.deliver,
             batch_size=batch_size or _scheduled_at_once(model),
