@@ -221,8 +221,9 @@ def test_bad_inputs_are_refused_and_the_engine_goes_on(subject, full_run, tmp_pa
     with pytest.raises(ValueError, match=rf"line {len(CORPUS) + 1} has no field 'text'"):
         collect_dataset(model, broken, tmp_path / "i", "layer_output", [0], context_length=CONTEXT, shard_tokens=CONTEXT, progress=False)
     assert engine_is_idle(model)
-    with pytest.raises(ValueError, match="longer than this engine serves"):
-        collect_dataset(model, source, tmp_path / "c", "layer_output", [0], context_length=10_000, progress=False)
+    longest = model.vllm_entrypoint.llm_engine.vllm_config.model_config.max_model_len
+    with pytest.raises(ValueError, match=f"longer than this engine serves: at most {longest - 1}"):
+        collect_dataset(model, source, tmp_path / "c", "layer_output", [0], context_length=longest, progress=False)
     with pytest.raises(ValueError, match="dtype must be one of"):
         collect_dataset(model, source, tmp_path / "d", "layer_output", [0], context_length=CONTEXT, dtype="int8", progress=False)
     with pytest.raises(ValueError, match="positions must be one of"):
@@ -233,11 +234,19 @@ def test_bad_inputs_are_refused_and_the_engine_goes_on(subject, full_run, tmp_pa
         collect_dataset(model, tmp_path / "missing.txt", tmp_path / "g", "layer_output", [0], context_length=CONTEXT, progress=False)
     assert not any((tmp_path / name).exists() for name in "abcdefg")  # a refused run leaves no folder
     before = file_bytes(folder)
-    with pytest.raises(FileExistsError, match=r"another run \(layers: \[0, 2\] -> \[1\]"):
+    with pytest.raises(FileExistsError, match=r"another run \(its setting -> this run's: layers: \[0, 2\] -> \[1\]"):
         collect_dataset(model, source, folder, VALUES, [1], context_length=CONTEXT, dtype="float32", shard_tokens=3 * CONTEXT, progress=False)
     assert file_bytes(folder) == before
     with pytest.raises(FileNotFoundError, match="not a folder collect_dataset wrote"):
         Activations(tmp_path)
+    with pytest.raises(ValueError, match="is a folder of activation shards .collect_dataset's output., not a corpus"):
+        collect_dataset(model, folder, tmp_path / "j", "layer_output", [0], context_length=CONTEXT, progress=False)
+    (tmp_path / "plain-folder").mkdir()
+    with pytest.raises(ValueError, match="is a folder but not one datasets' save_to_disk wrote"):
+        collect_dataset(model, tmp_path / "plain-folder", tmp_path / "k", "layer_output", [0], context_length=CONTEXT, progress=False)
+    with pytest.raises(ValueError, match="batch_size must be a positive int"):
+        next(Activations(folder).batches(0))
+    assert not (tmp_path / "j").exists() and not (tmp_path / "k").exists()
     assert engine_is_idle(model)
     again = collect_dataset(model, CORPUS, tmp_path / "h", "layer_output", [0], context_length=CONTEXT, dtype="float32", progress=False)
     assert same_rows(rows(again.folder)["layer_output.0"], rows(folder)["layer_output.0"], subject)  # a list of strings: the same windows
@@ -280,3 +289,5 @@ def test_collect_command_writes_shards(tmp_path):
     assert again.exit_code == 0 and "already holds this collection, complete" in " ".join(again.output.split())  # rich wraps lines
     other = CliRunner().invoke(app, command[:-2] + ["--positions", "last"])
     assert other.exit_code == 1 and "positions: 'no_bos' -> 'last'" in " ".join(other.output.split())
+    whole = CliRunner().invoke(app, ["collect", source, str(model), "--context-length", "256", "--out", str(tmp_path / "whole")])
+    assert whole.exit_code == 1 and "at most 255 (256 positions)" in " ".join(whole.output.split())  # before any engine

@@ -112,7 +112,16 @@ def _datasets() -> Any:
 
 
 def _load_from_disk(path: Path) -> Any:
-    loaded = _datasets().load_from_disk(str(path))
+    if (path / MANIFEST).exists():
+        raise ValueError(f"{path} is a folder of activation shards (collect_dataset's output), not a corpus")
+    datasets = _datasets()
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except FileNotFoundError as error:
+        raise ValueError(
+            f"{path} is a folder but not one datasets' save_to_disk wrote ({error}); a corpus is a text, .jsonl, "
+            ".parquet or .csv file, or such a folder"
+        ) from None
     if hasattr(loaded, "keys") and not hasattr(loaded, "column_names"):  # a DatasetDict
         splits = list(loaded.keys())
         if len(splits) != 1:
@@ -124,7 +133,7 @@ def _load_from_disk(path: Path) -> Any:
 def _records(rows: Iterable[dict], field: str, where: Any) -> Iterator[str]:
     for index, row in enumerate(rows):
         if field not in row:
-            raise ValueError(f"row {index} of {where} has no field {field!r} (it has {sorted(row)}); pick one with field=")
+            raise ValueError(f"row {index} of {where} has no field {field!r} (it has {sorted(row)}); pick one with field= (--field)")
         text = row[field]
         if not isinstance(text, str):
             raise ValueError(f"row {index} of {where}: {field!r} holds a {type(text).__name__}, not a string")
@@ -142,7 +151,7 @@ def _json_lines(path: Path, field: str) -> Iterator[str]:
                 raise ValueError(f"{path} line {number} is not JSON: {error}") from None
             if not isinstance(row, dict) or field not in row:
                 keys = sorted(row) if isinstance(row, dict) else type(row).__name__
-                raise ValueError(f"{path} line {number} has no field {field!r} (it has {keys}); pick one with field=")
+                raise ValueError(f"{path} line {number} has no field {field!r} (it has {keys}); pick one with field= (--field)")
             if not isinstance(row[field], str):
                 raise ValueError(f"{path} line {number}: {field!r} holds a {type(row[field]).__name__}, not a string")
             yield row[field]
@@ -173,7 +182,7 @@ def windows(texts: Iterable[str], tokenizer: Any, context_length: int, *, bos: b
     first = True
     texts = iter(texts)
     while chunk := list(itertools.islice(texts, TOKENIZED_AT_ONCE)):
-        for ids in tokenizer(chunk, add_special_tokens=False)["input_ids"]:
+        for ids in tokenizer(chunk, add_special_tokens=False, verbose=False)["input_ids"]:
             if not first and separator is not None:
                 stream.append(separator)
             first = False
@@ -244,8 +253,8 @@ class _Shards:
             differences = self.plan.differences(manifest.get("plan", {}))
             if manifest.get("format") != FORMAT or differences:
                 raise FileExistsError(
-                    f"{self.folder} holds the shards of another run ({'; '.join(differences) or manifest.get('format')}); "
-                    "write to a new folder, or remove this one to start over"
+                    f"{self.folder} holds the shards of another run (its setting -> this run's: "
+                    f"{'; '.join(differences) or manifest.get('format')}); write to a new folder, or remove this one to start over"
                 )
             self.done, self.complete = manifest["shards"], manifest["complete"]
             for shard in self.done:
@@ -466,7 +475,8 @@ def collect_dataset(
         out: The folder of shards (created if missing).
         values: A block value name (``"layer_output"``, ``"mlp_neurons"``, ...) or several.
         layers: A block index or several (negative ones count from the end).
-        context_length: Tokens per window, BOS included; at most the engine's ``max_model_len``.
+        context_length: Tokens per window, BOS included; at most the engine's ``max_model_len`` - 1
+            (each window's request generates one token).
         field: The text's key in a JSON Lines or ``datasets`` source.
         bos: Start each window with the BOS token (see `windows`).
         dtype: ``"bfloat16"``, ``"float16"`` or ``"float32"`` (or the torch dtype): how the values are stored.
@@ -492,8 +502,12 @@ def collect_dataset(
 
     _check_engine(model)
     longest = int(model.vllm_entrypoint.llm_engine.vllm_config.model_config.max_model_len)
-    if isinstance(context_length, int) and context_length > longest:
-        raise ValueError(f"context_length {context_length} is longer than this engine serves (max_model_len {longest})")
+    if isinstance(context_length, int) and context_length >= longest:
+        # Each window is a request of one generated token: prompt and token must fit in max_model_len.
+        raise ValueError(
+            f"context_length {context_length} is longer than this engine serves: at most {longest - 1} "
+            f"(max_model_len {longest}, less the one token each window's request generates)"
+        )
     names = [values] if isinstance(values, str) else list(values)
     reads = _reads(model, names, layers)
     plan = make_plan(
@@ -584,7 +598,7 @@ def make_plan(
     if shard_tokens < 1:
         raise ValueError(f"shard_tokens must be at least 1, got {shard_tokens}")
     return Plan(
-        model=model,
+        model=str(Path(model).absolute()) if Path(model).exists() else model,  # a local checkpoint, wherever the run starts
         values=sorted(set(values)),
         layers=sorted(set(layers)),
         context_length=context_length,
@@ -624,7 +638,7 @@ class Activations:
 
     ``len(activations)`` is the number of rows (tokens kept) over every
     shard; `keys` the value tensors' names (``"layer_output.10"``, ...);
-    `shard` one shard's tensors, memory-mapped; `batches` rows in batches,
+    `shard` one shard's tensors; `batches` rows in batches,
     shuffled or in order, for training.
 
     Raises:
@@ -661,7 +675,7 @@ class Activations:
         return [self.folder / shard["file"] for shard in self.manifest["shards"]]
 
     def shard(self, index: int) -> dict[str, torch.Tensor]:
-        """Shard ``index``'s tensors (each key of `keys`, ``token_ids``, ``window``, ``position``), memory-mapped."""
+        """Shard ``index``'s tensors (each key of `keys`, ``token_ids``, ``window``, ``position``), loaded into memory."""
         from safetensors.torch import load_file
 
         return load_file(str(self.shards[index]))
@@ -683,6 +697,8 @@ class Activations:
         in a random order (memory: that many shards), seeded by ``seed``.
         The last batch is shorter unless ``drop_last``.
         """
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
         keys = list(keys) if keys is not None else self.keys
         unknown = [key for key in keys if key not in self.keys]
         if unknown:

@@ -283,8 +283,8 @@ def _collect_windows(
     from vlenvoys import activations
 
     longest = AutoConfig.from_pretrained(model).max_position_embeddings
-    if context_length > longest:
-        raise ValueError(f"--context-length {context_length} is longer than the model's context ({longest} tokens)")
+    if context_length >= longest:  # each window's request generates one token, which needs a position too
+        raise ValueError(f"--context-length {context_length} is longer than the model serves: at most {longest - 1} ({longest} positions)")
     max_tokens, bos, field = options.pop("max_tokens"), options["bos"], options["field"]
     plan = activations.make_plan(model, values, chosen, context_length=context_length, source=source, **options)
     activations.window_limit(max_tokens, context_length)
@@ -306,6 +306,10 @@ def _collect_windows(
         written = activations.collect_dataset(
             loaded, source, out, values, chosen, context_length=context_length, max_tokens=max_tokens, batch_size=batch, **options
         )
+    except KeyboardInterrupt:
+        done = activations.Activations(out).manifest["shards"] if (out / activations.MANIFEST).exists() else []
+        console.print(f"interrupted: {len(done)} complete shards in {out}; run the same command to continue after them")
+        raise typer.Exit(130) from None
     finally:
         vlenvoys.shutdown(loaded)
     console.print(f"{written}")
