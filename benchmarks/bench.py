@@ -466,9 +466,12 @@ SIZES: dict[str, dict[str, int]] = {
 MAX_MODEL_LEN = 1024
 TOKENS = 64  # generated per prompt, every one steered
 # --paired: a longer generation (about 1.5 s of plain vLLM on an H200), and each engine's share of the GPU.
-PAIRED_PROMPTS, PAIRED_TOKENS, PAIRED_SHARE = 256, 128, 0.28
+PAIRED_PROMPTS, PAIRED_TOKENS, PAIRED_SHARE = 256, 128, 0.22
 # --profile: the workloads whose engine core py-spy samples.
 PROFILED = ["graphs.prefill", "vl.collect", "vl.trace", "vl.empty", "graphs.generate", "vg.generate", "vg.generate_steered"]
+#: --paired: plain vLLM with the graph engine's compilation (`vlenvoys.load(cuda_graphs=True)` sets the same).
+SAME_GRAPHS = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
+SAME_LABEL = "plain vLLM, the graph engine's graphs"
 PER_TRACE = 64  # invokes per trace, and collect's requests in flight
 TAPS = ["model.layers.*.output"]
 ENGINES = ["graphs", "eager", "vlenvoys", "vlgraphs", "raw", "taps"]
@@ -509,6 +512,13 @@ CUDA_ROWS = [
     ("28. graph engine: steered vs its own plain generation, measured after", "vg.generate_steered", "vg.generate_again"),
     ("29. graph engine: none steered vs its own plain generation, measured after", "vg.generate_none", "vg.generate_again"),
     ("30. graph engine: collection vs its own plain prefill", "vg.collect", "vg.prefill"),
+    # --paired: plain vLLM configured as the graph engine is (no torch.compile, graphs of pure decode steps only),
+    # so a generation row compares the same kernels and the same graphs, with and without vlenvoys.
+    ("31. graph engine: steered vs plain vLLM with the same graphs", "vg.generate_steered", "same.generate"),
+    ("32. graph engine: half the requests steered vs plain vLLM with the same graphs", "vg.generate_half", "same.generate"),
+    ("33. graph engine: none steered vs plain vLLM with the same graphs", "vg.generate_none", "same.generate"),
+    ("34. graph engine: collection vs plain vLLM with the same graphs", "vg.collect", "same.prefill"),
+    ("35. plain vLLM: the graph engine's configuration vs vLLM's default, generation", "same.generate", "graphs.generate"),
 ]
 
 
@@ -716,7 +726,8 @@ def cuda_header(path: Path, config: dict, layers, steer_layer: int, counts: tupl
     if paired:
         how = (f"Medians over {repeats} rounds after a warm-up round; each round runs every workload of its group once, "
                "and each row's ratio is the median of its rounds' ratios. Engines up at once in one process: plain "
-               f"vLLM with CUDA graphs, the vlenvoys engine and the graph engine, gpu_memory_utilization {PAIRED_SHARE} "
+               f"vLLM with CUDA graphs, the vlenvoys engine, the graph engine and {SAME_LABEL} (no torch.compile, "
+               f"graphs of pure decode steps only), gpu_memory_utilization {PAIRED_SHARE} "
                f"each, max_model_len {MAX_MODEL_LEN}, prefix caching off (repeats of the same prompts would otherwise "
                "be served from it).")
     else:
@@ -949,8 +960,9 @@ def cuda_suite(args) -> None:
             engines["graphs"] = LLM(str(path), **(plain_args | share))
             engines["vl"] = vlenvoys.load(str(path), **(engine_args | share))
             engines["vg"] = vlenvoys.load(str(path), cuda_graphs=True, **(engine_args | share))
-            print(f"  three engines up in {time.perf_counter() - started:.0f} s", flush=True)
-            plain_llm, vl, vg = engines["graphs"], engines["vl"], engines["vg"]
+            engines["same"] = LLM(str(path), compilation_config=SAME_GRAPHS, **(plain_args | share))
+            print(f"  four engines up in {time.perf_counter() - started:.0f} s", flush=True)
+            plain_llm, vl, vg, same = engines["graphs"], engines["vl"], engines["vg"], engines["same"]
             # Not detokenized, on every side: turning token ids into text is the client's work, the same for any
             # engine, and it bounded the run (half of the client's time went to it) where the engine's is measured.
             every_step = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False)
@@ -969,6 +981,7 @@ def cuda_suite(args) -> None:
                     "vl.empty": ("vlenvoys trace, no reads", lambda: traced(vl, prefill, no_reads, batch=PER_TRACE)),
                     "vg.prefill": ("vlenvoys graph engine, plain", lambda: requests(vg.vllm_entrypoint, prefill, 1)),
                     "vg.collect": ("graph engine: vlenvoys collect", lambda: collect(vg, prefill, "layer_output", layers)),
+                    "same.prefill": (SAME_LABEL, lambda: requests(same, prefill, 1)),
                 }),
                 ("tokens/s", len(generate) * tokens, {
                     "graphs.generate": ("plain vLLM graphs", lambda: requests(plain_llm, generate, tokens, False)),
@@ -979,6 +992,11 @@ def cuda_suite(args) -> None:
                     "vg.generate_none": ("graph engine: vlenvoys.generate, no request steered", steered(vg, None)),
                     "vl.generate": ("vlenvoys engine, plain", lambda: requests(vl.vllm_entrypoint, generate, tokens, False)),
                     "vl.generate_steered": ("vlenvoys.generate, every request steered", steered(vl, steering)),
+                    "same.generate": (SAME_LABEL, lambda: requests(same, generate, tokens, False)),
+                    # Last in each round, the graph engine's plain generation again: rows 28 and 29 show whether
+                    # the place in the round moves the rate.
+                    "vg.generate_again": ("vlenvoys graph engine, plain (measured last)",
+                                          lambda: requests(vg.vllm_entrypoint, generate, tokens, False)),
                 }),
             ]
             for unit, amount, runs in groups:
@@ -989,7 +1007,7 @@ def cuda_suite(args) -> None:
             if args.profile is not None:
                 every = {key: run for _, _, runs in groups for key, (_, run) in runs.items()}
                 profile(args.profile, engines, {key: every[key] for key in PROFILED})
-            board.engines.extend(["plain vLLM, CUDA graphs", "vlenvoys", "vlenvoys, CUDA graphs"])
+            board.engines.extend(["plain vLLM, CUDA graphs", "vlenvoys", "vlenvoys, CUDA graphs", SAME_LABEL])
         finally:
             for model in engines.values():
                 stop(model)

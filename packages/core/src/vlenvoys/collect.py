@@ -223,6 +223,11 @@ def _params(extra_args: dict) -> Any:
     # A prefix-cached token runs no forward, so its rows would be missing from the values.
     if hasattr(params, "skip_reading_prefix_cache"):
         params.skip_reading_prefix_cache = True
+    # Each request gets vLLM's shallow copy of these, not a deep one (65 us a request on the CPU, a fifth of an
+    # activation dataset's client time on an H200): vLLM updates a copy in place only with the model's own stop
+    # tokens, the same for every request, and nothing here is changed after.
+    if hasattr(params, "skip_clone"):
+        params.skip_clone = True
     return params
 
 

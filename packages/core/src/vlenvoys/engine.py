@@ -106,6 +106,9 @@ class StandardizedVLLM(VLLM):
         )
 
     def _attach_mediators(self, params: list, **kwargs: Any) -> list:
+        from .sources import install
+
+        install()  # each function a block calls: its source read once, not per request
         if not self._travels_by_path():
             return super()._attach_mediators(params, **kwargs)
         envoys = list(self.modules())

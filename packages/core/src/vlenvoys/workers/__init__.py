@@ -368,6 +368,16 @@ def _copy_run(host: torch.Tensor, entries: list, run: list[int], tensors: list, 
         staged = torch.empty(last - first, dtype=torch.uint8, pin_memory=True)
         staged.copy_(part)
         copied = staged.to(device, non_blocking=True)
+    elif device == "cpu":
+        # Copied by numpy, on this thread. torch's copy forks over the machine's threads, which on a CPU engine's
+        # machine are the engine's (they spin between steps): a 3-read trace's 70 MB took 0.4-0.9 s that way, 0.03 s here.
+        source = part.numpy()
+        for index in run:
+            start, size, dtype, shape, _ = entries[index]
+            tensors[index] = torch.empty(shape, dtype=dtype)
+            tensors[index].reshape(-1).view(torch.uint8).numpy()[:] = source[start - first : start - first + size]
+        run.clear()
+        return
     else:
         copied = part.to(device)
     for index in run:
