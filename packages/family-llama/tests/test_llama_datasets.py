@@ -262,6 +262,13 @@ def test_a_saved_dataset_is_a_source(subject, full_run, tmp_path):
     got = collect_dataset(subject.model, saved, tmp_path / "acts", "layer_output", [0, -1], context_length=CONTEXT, dtype="float32", progress=False)
     for key in ("token_ids", "window", "position", "layer_output.0", "layer_output.2"):
         assert same_rows(rows(got.folder)[key], rows(folder)[key], subject), key
+    # A DatasetDict's folder of one split reads as that split; of two, the user is asked to pick one.
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": CORPUS})}).save_to_disk(str(tmp_path / "dict"))
+    assert list(documents(tmp_path / "dict")) == list(documents(saved)) == list(CORPUS)
+    split = datasets.Dataset.from_dict({"text": CORPUS})
+    datasets.DatasetDict({"train": split, "test": split}).save_to_disk(str(tmp_path / "two"))
+    with pytest.raises(ValueError, match=r"holds the splits \['train', 'test'\]; pass one of them"):
+        list(documents(tmp_path / "two"))
 
 
 def test_collect_command_writes_shards(tmp_path):

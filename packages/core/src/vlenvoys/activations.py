@@ -114,15 +114,20 @@ def _datasets() -> Any:
 def _load_from_disk(path: Path) -> Any:
     if (path / MANIFEST).exists():
         raise ValueError(f"{path} is a folder of activation shards (collect_dataset's output), not a corpus")
-    datasets = _datasets()
+    # A Dataset's folder holds state.json, a DatasetDict's dataset_dict.json: any other folder is refused
+    # whether or not `datasets` is installed.
+    written = [name for name in ("state.json", "dataset_dict.json") if (path / name).exists()]
+    datasets = _datasets() if written else None
     try:
+        if datasets is None:
+            raise FileNotFoundError("it has neither state.json nor dataset_dict.json")
         loaded = datasets.load_from_disk(str(path))
     except FileNotFoundError as error:
         raise ValueError(
             f"{path} is a folder but not one datasets' save_to_disk wrote ({error}); a corpus is a text, .jsonl, "
             ".parquet or .csv file, or such a folder"
         ) from None
-    if hasattr(loaded, "keys") and not hasattr(loaded, "column_names"):  # a DatasetDict
+    if isinstance(loaded, datasets.DatasetDict):  # (its column_names is a dict of the splits')
         splits = list(loaded.keys())
         if len(splits) != 1:
             raise ValueError(f"{path} holds the splits {splits}; pass one of them (load_from_disk(...)[split])")
