@@ -599,13 +599,43 @@ def test_steered_generation_equals_steering_in_a_trace(subject):
     outputs = vlenvoys.generate(model, prompts, params, steering=steering, use_tqdm=False)
     traced = steered_in_a_trace(model, prompts, [True, False], vector, factor, steps)
     unsteered = vlenvoys.generate(model, prompts[:1], params, use_tqdm=False)[0].outputs[0].token_ids
+    same_generations(subject, "steered generation vs a trace: log-probability", outputs, traced)
+    assert list(outputs[0].outputs[0].token_ids) != list(unsteered), "the steering must change the steered request"
+
+
+def same_generations(subject, what: str, outputs: list, traced: list) -> None:
+    """Each output's greedy tokens are its trace's argmaxes, and their log-probabilities the trace's, within the bound."""
     for number, (output, logits) in enumerate(zip(outputs, traced, strict=True)):
         generated = output.outputs[0]
         assert list(generated.token_ids) == [int(step.argmax()) for step in logits], number
         for token, offered, step in zip(generated.token_ids, generated.logprobs, logits, strict=True):
             want = step.float().log_softmax(-1)[token]
-            assert close(subject, "steered generation vs a trace: log-probability", torch.tensor([offered[token].logprob]), want[None])
-    assert list(outputs[0].outputs[0].token_ids) != list(unsteered), "the steering must change the steered request"
+            assert close(subject, what, torch.tensor([offered[token].logprob]), want[None])
+
+
+def test_graph_engine_steers_as_a_trace(subject):
+    """On a GPU, an engine replaying CUDA graphs (``load(cuda_graphs=True)``) of the same weights steers as a trace does.
+
+    Its decode steps replay graphs captured with the steering hooks of every
+    block; four steps of two requests, one steered at block 1, one not.
+    """
+    from vllm import SamplingParams
+
+    from vlenvoys.steering import eligible
+
+    if subject.device_type != "cuda":
+        pytest.skip("the CPU engine has no CUDA graphs (vlenvoys-llama's test_llama_graphs runs the same hooks eagerly)")
+    if eligible(subject.model) is not None or subject.one_rank is not None:
+        pytest.skip("steered generation is not served for this subject (see test_steered_generation_equals_steering_in_a_trace)")
+    model, prompts, steps, factor = subject.model, subject.prompts[:2], 4, 2.0
+    vector = steering_vector(subject)
+    steering = [vlenvoys.Steering(1, vector, factor), None]
+    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True, logprobs=1)
+    config = model.vllm_entrypoint.llm_engine.model_config
+    with oracle.engine(config.model, dtype=config.dtype, max_model_len=config.max_model_len, cuda_graphs=True) as graphs:
+        outputs = vlenvoys.generate(graphs, prompts, params, steering=steering, use_tqdm=False)
+    traced = steered_in_a_trace(model, prompts, [True, False], vector, factor, steps)
+    same_generations(subject, "graph engine: steered generation vs a trace", outputs, traced)
 
 
 def test_wrong_dtype_is_refused(subject):
