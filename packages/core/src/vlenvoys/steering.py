@@ -70,25 +70,31 @@ class Steering:
             TypeError: a vector that is not a float tensor, a factor that is
                 not a number, blocks that are not ints.
         """
+        return self.encode_for(model.hidden_size, model.num_layers, _dtype(model))
+
+    def encode_for(self, hidden_size: int, num_layers: int, dtype: torch.dtype) -> dict:
+        """`encode` for a model known by its shape alone: ``hidden_size``, ``num_layers`` blocks, ``dtype``.
+
+        What `vlenvoys.serving` uses, which holds no loaded model; raises as `encode`.
+        """
         from .envoys import block_index
 
         if not isinstance(self.vector, torch.Tensor) or not self.vector.is_floating_point():
             got = f"a {self.vector.dtype} tensor" if isinstance(self.vector, torch.Tensor) else type(self.vector).__name__
-            raise TypeError(f"Steering.vector: expected a float tensor of shape [{model.hidden_size}], got {got}")
+            raise TypeError(f"Steering.vector: expected a float tensor of shape [{hidden_size}], got {got}")
         if not isinstance(self.factor, numbers.Real) or isinstance(self.factor, bool):
             raise TypeError(f"Steering.factor: expected a number, got {type(self.factor).__name__}")
-        if tuple(self.vector.shape) != (model.hidden_size,):
+        if tuple(self.vector.shape) != (hidden_size,):
             raise ValueError(
-                f"Steering.vector: expected shape [{model.hidden_size}] (hidden_size), got {list(self.vector.shape)}"
+                f"Steering.vector: expected shape [{hidden_size}] (hidden_size), got {list(self.vector.shape)}"
             )
         layers = [self.layers] if isinstance(self.layers, int) else self.layers
         if not isinstance(layers, (list, tuple, range)) or not layers or not all(
             isinstance(layer, int) and not isinstance(layer, bool) for layer in layers
         ):
             raise TypeError(f"Steering.layers: expected a block index or a list of them, got {self.layers!r}")
-        blocks = sorted({block_index(layer, model.num_layers) for layer in layers})
+        blocks = sorted({block_index(layer, num_layers) for layer in layers})
         # Scaled where a trace scales it: in the model's dtype (``factor * vector.to(dtype)``).
-        dtype = _dtype(model)
         scaled = float(self.factor) * self.vector.detach().to(device="cpu", dtype=dtype)
         if not torch.isfinite(scaled).all():
             raise ValueError(f"Steering: factor * vector has non-finite entries in {dtype} (factor {self.factor})")
@@ -116,7 +122,12 @@ def _digest(spec: dict) -> str:
 
 
 def _vector(encoded: Any) -> torch.Tensor:
-    """A spec's vector as float32: raw bytes (`Steering.encode`), or a list of numbers (a hand-written request)."""
+    """A spec's vector as float32: raw bytes (`Steering.encode`), their base64 text (a spec sent as JSON,
+    `vlenvoys.serving`), or a list of numbers (a hand-written request)."""
+    if isinstance(encoded, str):
+        import base64
+
+        encoded = base64.b64decode(encoded, validate=True)
     if isinstance(encoded, (bytes, bytearray, memoryview)):
         if len(encoded) % 4:
             raise ValueError(f"a vector of {len(encoded)} bytes is not float32 values")
@@ -330,8 +341,15 @@ class Steerer:
                 self._hook(block)
 
     def admit(self, request: str, spec: Any) -> None:
-        """Take a new request's steering; a spec the model cannot take is refused, never raised here."""
+        """Take a new request's steering; a spec the model cannot take is refused, never raised here.
+
+        ``spec`` is a dict (`Steering.encode`) or its JSON text (what an HTTP request's ``vllm_xargs``
+        can carry, `vlenvoys.serving`), whose ``positions`` may also be ``"prompt"`` (the prompt's
+        positions) or ``"generated"`` (from the prompt's length on), resolved here by the request's prompt.
+        """
         try:
+            if isinstance(spec, str):
+                spec = json.loads(spec)
             layers = [int(layer) for layer in spec["layers"]]
             if not layers or any(layer < 0 or layer >= self.blocks for layer in layers):
                 raise ValueError(f"blocks {layers}: the model has blocks 0 to {self.blocks - 1}")
@@ -341,6 +359,11 @@ class Steerer:
             if not torch.isfinite(vector).all():
                 raise ValueError("the vector is not finite")
             positions = spec["positions"]
+            if positions in ("prompt", "generated"):
+                length = int(self.runner.requests[request].num_prompt_tokens)
+                positions = {"start": 0, "stop": length} if positions == "prompt" else {"start": length, "stop": None}
+            elif positions == "all":
+                positions = None
             if isinstance(positions, list):
                 positions = frozenset(int(position) for position in positions)
             elif positions is not None:
