@@ -478,6 +478,38 @@ def _graph_settings(args: Any) -> None:
             config.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
 
 
+def anyio_classes_first() -> None:
+    """Define anyio's typed-attribute classes with nnsight's ``.save`` unmounted (vLLM's streaming needs them).
+
+    nnsight mounts ``.save`` on every object when imported; anyio refuses to
+    define a ``TypedAttributeSet`` subclass that then has an unannotated
+    attribute ``save`` ("Attribute 'save' is missing its type annotation").
+    nnsight imports anyio's own package first, but not ``anyio.streams.file``,
+    which a streamed response of vLLM's server imports on its first use: every
+    streamed chat completion was a 400 with that message. They are imported here,
+    with the mount lifted meanwhile and put back after.
+    """
+    import importlib
+
+    modules = [name for name in ("anyio.streams.file", "anyio.streams.tls", "anyio.abc._sockets") if name not in sys.modules]
+    mounted = hasattr(object(), "save")
+    if not modules:
+        return
+    if not mounted:
+        for name in modules:
+            importlib.import_module(name)
+        return
+    from nnsight import save
+    from nnsight._c import mount, unmount
+
+    unmount("save")
+    try:
+        for name in modules:
+            importlib.import_module(name)
+    finally:
+        mount(save, "save")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """``vlenvoys serve MODEL [vLLM server arguments] [--vectors FILE] [--cuda-graphs]``: serve until stopped."""
     import uvloop
@@ -488,6 +520,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from .engine import _cpu_ranks, _float32_kernels
 
     cli_env_setup()
+    anyio_classes_first()
     args = parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     prepare(args)
     validate_parsed_serve_args(args)
