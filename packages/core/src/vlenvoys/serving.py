@@ -146,7 +146,9 @@ def steering_spec(field: Any, hidden_size: int, num_layers: int, dtype: torch.dt
 
     Args:
         field: One entry or a list of them (see the module's docstring).
-        hidden_size, num_layers, dtype: The served model's.
+        hidden_size: The served model's stream width.
+        num_layers: The served model's block count.
+        dtype: The served model's dtype (the vector is scaled in it, as `vlenvoys.Steering.encode` does).
         vectors: The named vectors.
 
     Returns:
