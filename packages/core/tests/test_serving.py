@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-
 from vlenvoys import Steering
 from vlenvoys.serving import SteeringError, Vectors, rewritten, steering_spec
 from vlenvoys.steering import KEY

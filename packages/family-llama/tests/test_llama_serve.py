@@ -21,10 +21,12 @@ import time
 
 import pytest
 import torch
-
 import vlenvoys
 from vlenvoys import testing
 from vlenvoys.conformance import record
+from vlenvoys.serving import anyio_classes_first
+
+anyio_classes_first()  # the openai client's anyio classes, defined under nnsight's .save mount otherwise
 
 on_llama = pytest.mark.parametrize("subject", ["LlamaForCausalLM"], indirect=True)
 KEY = "serve-test-key"
@@ -109,7 +111,7 @@ def served(client, server, ids, steering=None, **extra) -> list[tuple[int, float
 
 
 def pairs(logprobs) -> list[tuple[int, float]]:
-    return [(int(token.removeprefix("token_id:")), value) for token, value in zip(logprobs.tokens, logprobs.token_logprobs)]
+    return [(int(token.removeprefix("token_id:")), value) for token, value in zip(logprobs.tokens, logprobs.token_logprobs, strict=True)]
 
 
 def generated(model, ids, steering=None) -> list[tuple[int, float]]:
@@ -123,7 +125,7 @@ def generated(model, ids, steering=None) -> list[tuple[int, float]]:
 
 def assert_equal(got, want, what: str) -> None:
     assert [token for token, _ in got] == [token for token, _ in want], what
-    difference = max(abs(a - b) for (_, a), (_, b) in zip(got, want))
+    difference = max(abs(a - b) for (_, a), (_, b) in zip(got, want, strict=True))
     record("LlamaForCausalLM (vlenvoys serve)", f"{what} vs vlenvoys.generate", difference)
     assert difference <= 1e-5, f"{what}: log-probabilities {difference} apart"
 

@@ -112,7 +112,10 @@ class Vectors:
                     f"--vectors {path}: {name!r} is a {tensor.dtype} tensor of shape {list(tensor.shape)}, "
                     f"expected float [{hidden_size}]", "vector"
                 )
-            self.add(name, tensor, hidden_size)
+            try:
+                self.add(name, tensor, hidden_size)
+            except SteeringError as error:
+                raise SteeringError(f"--vectors {path}: {error}", error.param) from None
             names.append(name)
         return names
 
