@@ -137,6 +137,24 @@ def test_a_plain_completion_is_the_engines(subject, server, client):
         assert served(client, server, ids) == generated(subject.model, ids)
 
 
+def test_a_plain_completion_is_plain_vllms(server, client, prompts):
+    """No steering: token ids and log-probabilities bit-identical to vLLM's own engine (no vlenvoys) on the weights."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = LLM(str(server["path"]), dtype="float32", enforce_eager=True, max_model_len=256,
+                 kv_cache_memory_bytes=1 << 30, enable_prefix_caching=True)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=1)
+        outputs = engine.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts], params, use_tqdm=False)
+    finally:
+        engine.llm_engine.engine_core.shutdown()
+    for ids, output in zip(prompts, outputs, strict=True):
+        done = output.outputs[0]
+        want = [(token, step[token].logprob) for token, step in zip(done.token_ids, done.logprobs, strict=True)]
+        assert served(client, server, ids) == want
+
+
 @on_llama
 @pytest.mark.parametrize("positions", ["all", "prompt", "generated", [0, 2, 11]])
 def test_a_steered_completion_equals_vlenvoys_generate(subject, server, client, positions):
