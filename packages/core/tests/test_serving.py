@@ -36,6 +36,16 @@ def test_entries_of_one_vector_at_several_blocks_are_one_spec():
     assert spec({"layer": 1, "vector": "v", "positions": [3, 1]}, vectors)["positions"] == [1, 3]
 
 
+def test_entries_of_several_vectors_are_one_spec_each():
+    vectors = Vectors()
+    vectors.add("v", [1.0] * HIDDEN, HIDDEN)
+    made = spec([{"layer": 0, "vector": "v"}, {"layer": 1, "vector": "v", "factor": 2.0},
+                 {"layer": 2, "vector": "v", "positions": "prompt"}, {"layer": 3, "vector": "v"}], vectors)
+    assert [(each["layers"], each["positions"]) for each in made] == [([0, 3], None), ([1], None), ([2], "prompt")]
+    assert base64.b64decode(made[1]["vector"]) == Steering(1, torch.ones(HIDDEN), 2.0).encode_for(
+        HIDDEN, LAYERS, torch.float32)["vector"]
+
+
 @pytest.mark.parametrize("field, reason", [
     ([{"value": "nope", "layer": 0, "vector": [0.0] * HIDDEN}], "unknown value 'nope'"),
     ([{"value": "attention_output", "layer": 0, "vector": [0.0] * HIDDEN}], "not served yet"),

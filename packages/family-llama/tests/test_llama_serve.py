@@ -124,9 +124,10 @@ def generated(model, ids, steering=None) -> list[tuple[int, float]]:
 
 
 def assert_equal(got, want, what: str) -> None:
+    """Same tokens, log-probabilities within float rounding (the largest difference is recorded under ``what``)."""
     assert [token for token, _ in got] == [token for token, _ in want], what
     difference = max(abs(a - b) for (_, a), (_, b) in zip(got, want, strict=True))
-    record("LlamaForCausalLM (vlenvoys serve)", f"{what} vs vlenvoys.generate", difference)
+    record("LlamaForCausalLM (vlenvoys serve)", what, difference)
     assert difference <= 1e-5, f"{what}: log-probabilities {difference} apart"
 
 
@@ -167,9 +168,39 @@ def test_a_steered_completion_equals_vlenvoys_generate(subject, server, client, 
         field = [{"value": "layer_output", "layer": layer, "vector": vector.tolist(), "factor": 2.5,
                   "positions": positions} for layer in (0, -1)]
         got = served(client, server, ids, field)
-        assert_equal(got, want, f"steered ({positions})")
+        assert_equal(got, want, f"steered ({positions}) vs vlenvoys.generate")
         if positions == "all":
             assert got != served(client, server, ids), "the steering must show"
+
+
+def steered_by_a_trace(model, ids, prompt_steers, generated_steers):
+    """Greedy (token, log-probability) of ``ids`` with ``model.steer(layer, vector, factor)`` for each of
+    ``prompt_steers`` at the prefill step and each of ``generated_steers`` at the decode steps."""
+    from vlenvoys.conformance import host
+
+    with model.trace(ids, temperature=0.0, max_tokens=STEPS, ignore_eos=True) as tracer:
+        logits = list().save()
+        for step in tracer.iter[0:STEPS]:
+            for layer, vector, factor in prompt_steers if step == 0 else generated_steers:
+                model.steer(layer, vector, factor)
+            logits.append(model.logits)
+    rows = [host(each).reshape(-1, each.shape[-1])[-1].float().log_softmax(-1) for each in logits]
+    return [(int(row.argmax()), float(row.max())) for row in rows]
+
+
+@on_llama
+@pytest.mark.parametrize("positions", [("all", "all"), ("prompt", "generated")])
+def test_entries_of_several_vectors_equal_steering_in_a_trace(subject, server, client, positions):
+    """Two vectors at two blocks, each its own factor and positions, against ``model.steer`` in a trace."""
+    first, second = vector_of(11), vector_of(12)
+    field = [{"layer": 0, "vector": first.tolist(), "factor": 1.5, "positions": positions[0]},
+             {"layer": 2, "vector": second.tolist(), "factor": -2.0, "positions": positions[1]}]
+    steers = [(0, first, 1.5), (2, second, -2.0)]
+    at_prompt = [steer for steer, chosen in zip(steers, positions, strict=True) if chosen in ("all", "prompt")]
+    at_generated = [steer for steer, chosen in zip(steers, positions, strict=True) if chosen in ("all", "generated")]
+    for ids in subject.prompts[:2]:
+        got = served(client, server, ids, field)
+        assert_equal(got, steered_by_a_trace(subject.model, ids, at_prompt, at_generated), f"two vectors {positions} vs a trace")
 
 
 @on_llama
@@ -250,7 +281,8 @@ MALFORMED = [
     ({"steering": [{"layer": 1, "vector": "up", "positions": "some"}]}, "positions"),
     ({"steering": [{"layer": 1, "vector": "up", "positions": [-1]}]}, "positions"),
     ({"steering": [{"layer": 1, "vector": "up", "colour": 1}]}, "unknown keys ['colour']"),
-    ({"steering": [{"layer": 1, "vector": "up"}, {"layer": 2, "vector": "down"}]}, "one steering vector per request"),
+    ({"steering": [{"layer": 1, "vector": "up"}, {"layer": 1, "vector": "down"}]}, "block 1 is steered by two entries"),
+    ({"steering": [{"layer": 0, "vector": "up"}] * 17}, "at most 16 are served"),
     ({"steering": [{"layer": 1, "vector": "up"}, {"layer": 1, "vector": "up"}]}, "block 1 is steered by two entries"),
     ({"steering": "up"}, "expected an entry"),
     ({"capture": [{"value": "layer_output", "layer": 1}]}, "'capture' is not served yet"),

@@ -59,6 +59,8 @@ STEERABLE = ("layer_output",)
 MAX_VECTORS = 4096
 #: An entry's keys.
 ENTRY_KEYS = frozenset({"value", "layer", "vector", "factor", "positions"})
+#: The most entries a request's steering may have (each distinct vector takes a slot on the engine).
+MAX_ENTRIES = 16
 #: Requests' fields served by a later increment.
 LATER = ("capture",)
 
@@ -156,15 +158,16 @@ def steering_spec(field: Any, hidden_size: int, num_layers: int, dtype: torch.dt
 
     Returns:
         ``{"layers": [...], "vector": <base64 of float32 bytes of factor * vector
-        in the model's dtype>, "positions": None | "prompt" | "generated" | [...]}``;
-        the same bytes `vlenvoys.Steering.encode` makes for the same steering.
+        in the model's dtype>, "positions": None | "prompt" | "generated" | [...]}``,
+        the same bytes `vlenvoys.Steering.encode` makes for the same steering;
+        a list of such dicts where entries differ in scaled vector or positions
+        (entries alike in both are one dict of several blocks).
 
     Raises:
         SteeringError: an unknown value or key, a layer that does not exist,
             a vector of another width, non-finite, or not registered, a bad
-            factor or positions, or several entries that are not one vector
-            (this increment serves one scaled vector per request, at one or
-            several blocks, with one positions choice).
+            factor or positions, a block two entries steer, more than
+            `MAX_ENTRIES` entries.
     """
     from .steering import Steering
 
@@ -221,20 +224,22 @@ def steering_spec(field: Any, hidden_size: int, num_layers: int, dtype: torch.dt
         elif isinstance(positions, str):
             spec["positions"] = positions
         specs.append(spec)
-    first = specs[0]
-    layers: list[int] = []
+    if len(specs) > MAX_ENTRIES:
+        raise SteeringError(f"steering: {len(specs)} entries, at most {MAX_ENTRIES} are served")
+    # Entries of one scaled vector and one positions choice share a slot on the engine (one spec, several blocks).
+    groups: dict[tuple, list[int]] = {}
+    steered: set[int] = set()
     for number, spec in enumerate(specs):
-        if spec["vector"] != first["vector"] or spec["positions"] != first["positions"]:
-            raise SteeringError(
-                f"steering[{number}]: another vector, factor or positions than steering[0]: one steering vector per "
-                "request is served yet (list several blocks with the same vector, factor and positions)"
-            )
-        twice = sorted(set(layers) & set(spec["layers"]))
+        twice = sorted(steered & set(spec["layers"]))
         if twice:
             raise SteeringError(f"steering[{number}]: block {twice[0]} is steered by two entries")
-        layers += spec["layers"]
-    return {"layers": sorted(layers), "vector": base64.b64encode(first["vector"]).decode("ascii"),
-            "positions": first["positions"]}
+        steered.update(spec["layers"])
+        groups.setdefault((spec["vector"], json.dumps(spec["positions"])), []).extend(spec["layers"])
+    made = [
+        {"layers": sorted(layers), "vector": base64.b64encode(vector).decode("ascii"), "positions": json.loads(positions)}
+        for (vector, positions), layers in groups.items()
+    ]
+    return made[0] if len(made) == 1 else made
 
 
 def rewritten(body: dict, hidden_size: int, num_layers: int, dtype: torch.dtype, vectors: Vectors) -> dict | None:
