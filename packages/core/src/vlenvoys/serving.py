@@ -21,7 +21,10 @@ prompt's length), ``"generated"`` (from the prompt's length on: generated token
 ``k``, counted from 0, sits at ``len(prompt) + k`` and is steered at the step
 that feeds it, so the first token sampled is the unsteered one), or a list of
 non-negative positions (0 is the prompt's first token). ``factor`` defaults
-to 1. ``layer`` may be negative (counted from the end).
+to 1. ``layer`` may be negative (counted from the end). Entries may steer
+several blocks, each with its own vector, factor and positions (at most
+`MAX_ENTRIES`, no block twice); entries alike in scaled vector and positions
+share one slot of the engine's table.
 
 The middleware checks the field against the model, takes it out of the body
 and hands the request's spec to the engine in ``vllm_xargs`` (vLLM's
@@ -31,6 +34,12 @@ by its steering (``cache_salt``) so steered and plain requests never share a
 cached prefix. A field the model cannot take is a 400 naming the reason
 (OpenAI's error shape, ``param`` ``"steering"``), before the request reaches
 the engine; the server goes on serving.
+
+Not served yet: ``capture`` (a 400 saying so). A steered row the engine
+still finds non-finite (the checks here bound the scaled vector as
+`vlenvoys.Steering.encode` does, so only a stream already near the dtype's
+range gets there) is left unsteered from then on, as under
+`vlenvoys.generate`, but the response does not say so.
 """
 
 from __future__ import annotations
