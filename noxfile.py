@@ -124,7 +124,7 @@ def lens(session: nox.Session) -> None:
 
 @nox.session(requires=["bench_nnterp"])
 def bench(session: nox.Session) -> None:
-    """Benchmarks on the real SmolLM2: benchmarks/results.md and results.png (with bench_nnterp's rows), results-datasets-cpu.md."""
+    """Benchmarks on the real SmolLM2: benchmarks/results.md and results.png (with bench_nnterp's rows), results-datasets-cpu.md, results-serve-cpu.md."""
     install(session, "packages/family-llama", real_model=True)
     session.install("tabulate", "psutil")
     # Not skipped by `nox -R`: a reused environment still benchmarks this checkout's code.
@@ -132,6 +132,8 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/bench.py", "--nnterp", "build/bench_nnterp.json", *session.posargs, env=ENV)
     # Activation datasets: collect_dataset's tokens/s and peak memory against plain prefill, at growing corpus sizes.
     session.run("python", "benchmarks/datasets.py", env=ENV)
+    # vlenvoys serve against vllm serve: concurrent completions over HTTP, plain and steered.
+    session.run("python", "benchmarks/serve.py", env=ENV)
 
 
 @nox.session

@@ -347,6 +347,23 @@ def families() -> None:
     Console().print(table)
 
 
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []},
+    add_help_option=False,
+)
+def serve(ctx: typer.Context) -> None:
+    """vLLM's OpenAI-compatible server on vlenvoys' worker, with per-request steering.
+
+    vlenvoys serve MODEL [any vllm serve argument] [--vectors FILE.safetensors]:
+    /v1/completions and /v1/chat/completions take a "steering" field
+    (vlenvoys.serving). vlenvoys serve --help lists every argument.
+    """
+    from vlenvoys import serving
+
+    with friendly_errors():
+        serving.main(ctx.args)
+
+
 @app.callback()
 def main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show vLLM's own log.")] = False) -> None:
     """Quiet vLLM's start-up log unless asked for."""

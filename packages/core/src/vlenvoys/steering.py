@@ -70,25 +70,31 @@ class Steering:
             TypeError: a vector that is not a float tensor, a factor that is
                 not a number, blocks that are not ints.
         """
+        return self.encode_for(model.hidden_size, model.num_layers, _dtype(model))
+
+    def encode_for(self, hidden_size: int, num_layers: int, dtype: torch.dtype) -> dict:
+        """`encode` for a model known by its shape alone: ``hidden_size``, ``num_layers`` blocks, ``dtype``.
+
+        What `vlenvoys.serving` uses, which holds no loaded model; raises as `encode`.
+        """
         from .envoys import block_index
 
         if not isinstance(self.vector, torch.Tensor) or not self.vector.is_floating_point():
             got = f"a {self.vector.dtype} tensor" if isinstance(self.vector, torch.Tensor) else type(self.vector).__name__
-            raise TypeError(f"Steering.vector: expected a float tensor of shape [{model.hidden_size}], got {got}")
+            raise TypeError(f"Steering.vector: expected a float tensor of shape [{hidden_size}], got {got}")
         if not isinstance(self.factor, numbers.Real) or isinstance(self.factor, bool):
             raise TypeError(f"Steering.factor: expected a number, got {type(self.factor).__name__}")
-        if tuple(self.vector.shape) != (model.hidden_size,):
+        if tuple(self.vector.shape) != (hidden_size,):
             raise ValueError(
-                f"Steering.vector: expected shape [{model.hidden_size}] (hidden_size), got {list(self.vector.shape)}"
+                f"Steering.vector: expected shape [{hidden_size}] (hidden_size), got {list(self.vector.shape)}"
             )
         layers = [self.layers] if isinstance(self.layers, int) else self.layers
         if not isinstance(layers, (list, tuple, range)) or not layers or not all(
             isinstance(layer, int) and not isinstance(layer, bool) for layer in layers
         ):
             raise TypeError(f"Steering.layers: expected a block index or a list of them, got {self.layers!r}")
-        blocks = sorted({block_index(layer, model.num_layers) for layer in layers})
+        blocks = sorted({block_index(layer, num_layers) for layer in layers})
         # Scaled where a trace scales it: in the model's dtype (``factor * vector.to(dtype)``).
-        dtype = _dtype(model)
         scaled = float(self.factor) * self.vector.detach().to(device="cpu", dtype=dtype)
         if not torch.isfinite(scaled).all():
             raise ValueError(f"Steering: factor * vector has non-finite entries in {dtype} (factor {self.factor})")
@@ -116,7 +122,12 @@ def _digest(spec: dict) -> str:
 
 
 def _vector(encoded: Any) -> torch.Tensor:
-    """A spec's vector as float32: raw bytes (`Steering.encode`), or a list of numbers (a hand-written request)."""
+    """A spec's vector as float32: raw bytes (`Steering.encode`), their base64 text (a spec sent as JSON,
+    `vlenvoys.serving`), or a list of numbers (a hand-written request)."""
+    if isinstance(encoded, str):
+        import base64
+
+        encoded = base64.b64decode(encoded, validate=True)
     if isinstance(encoded, (bytes, bytearray, memoryview)):
         if len(encoded) % 4:
             raise ValueError(f"a vector of {len(encoded)} bytes is not float32 values")
@@ -306,8 +317,8 @@ class Steerer:
         self.turn = 0
         #: rows of ``index`` that may be non-zero on the device (a graph pads a step with rows past its own).
         self.written = 0
-        #: engine request id -> (slot, blocks, positions).
-        self.requests: dict[str, tuple[int, list[int], Any]] = {}
+        #: engine request id -> its entries' (slot, blocks, positions), blocks disjoint.
+        self.requests: dict[str, list[tuple[int, list[int], Any]]] = {}
         self.owner: dict[int, str] = {}  # slot -> request, running or retired
         self.free = list(range(self.slots, 0, -1))
         self.retired: list[int] = []  # finished requests' slots, free once their counts are read
@@ -330,35 +341,64 @@ class Steerer:
                 self._hook(block)
 
     def admit(self, request: str, spec: Any) -> None:
-        """Take a new request's steering; a spec the model cannot take is refused, never raised here."""
+        """Take a new request's steering; a spec the model cannot take is refused, never raised here.
+
+        ``spec`` is a dict (`Steering.encode`), a list of such dicts steering
+        disjoint blocks (each its own vector and positions, in a slot of its
+        own), or the JSON text of either (what an HTTP request's ``vllm_xargs``
+        can carry, `vlenvoys.serving`), whose ``positions`` may also be
+        ``"prompt"`` (the prompt's positions) or ``"generated"`` (from the
+        prompt's length on), resolved here by the request's prompt.
+        """
         try:
-            layers = [int(layer) for layer in spec["layers"]]
-            if not layers or any(layer < 0 or layer >= self.blocks for layer in layers):
-                raise ValueError(f"blocks {layers}: the model has blocks 0 to {self.blocks - 1}")
-            vector = _vector(spec["vector"])
-            if tuple(vector.shape) != (self.hidden,):
-                raise ValueError(f"a vector of shape {list(vector.shape)} for a stream of {self.hidden}")
-            if not torch.isfinite(vector).all():
-                raise ValueError("the vector is not finite")
-            positions = spec["positions"]
-            if isinstance(positions, list):
-                positions = frozenset(int(position) for position in positions)
-            elif positions is not None:
-                positions = {"start": int(positions["start"]), "stop": positions["stop"]}
-            for layer in layers:
+            if isinstance(spec, str):
+                spec = json.loads(spec)
+            entries = [self._read(request, each) for each in (spec if isinstance(spec, list) else [spec])]
+            blocks = [layer for layers, _, _ in entries for layer in layers]
+            if not entries or len(set(blocks)) != len(blocks):
+                raise ValueError(f"entries must steer disjoint blocks, got {blocks}")
+            for layer in blocks:
                 self._hook(layer)
         except Exception as error:  # from a hand-made extra_args: the engine must go on serving
             self.failed[_stem(request)] = f"its steering could not be read ({type(error).__name__}: {error})"
             return
-        if not self.free:
+        if len(self.free) < len(entries):
             self._settle()
-        slot = self.free.pop()
-        self.table[slot].copy_(vector.to(self.dtype), non_blocking=True)
-        self.mask[slot] = 0
-        self.mask[slot, layers] = 1
-        self.owner[slot] = request
-        self.requests[request] = (slot, layers, positions)
+        if len(self.free) < len(entries):
+            self.failed[_stem(request)] = f"no room for {len(entries)} vectors (the engine holds {self.slots})"
+            return
+        admitted = []
+        for layers, vector, positions in entries:
+            slot = self.free.pop()
+            self.table[slot].copy_(vector.to(self.dtype), non_blocking=True)
+            self.mask[slot] = 0
+            self.mask[slot, layers] = 1
+            self.owner[slot] = request
+            admitted.append((slot, layers, positions))
+        self.requests[request] = admitted
         self.changes += 1
+
+    def _read(self, request: str, spec: dict) -> tuple[list[int], torch.Tensor, Any]:
+        """One entry of a spec: its blocks, its vector (float32) and its positions, checked against the model."""
+        layers = [int(layer) for layer in spec["layers"]]
+        if not layers or any(layer < 0 or layer >= self.blocks for layer in layers):
+            raise ValueError(f"blocks {layers}: the model has blocks 0 to {self.blocks - 1}")
+        vector = _vector(spec["vector"])
+        if tuple(vector.shape) != (self.hidden,):
+            raise ValueError(f"a vector of shape {list(vector.shape)} for a stream of {self.hidden}")
+        if not torch.isfinite(vector).all():
+            raise ValueError("the vector is not finite")
+        positions = spec["positions"]
+        if positions in ("prompt", "generated"):
+            length = int(self.runner.requests[request].num_prompt_tokens)
+            positions = {"start": 0, "stop": length} if positions == "prompt" else {"start": length, "stop": None}
+        elif positions == "all":
+            positions = None
+        if isinstance(positions, list):
+            positions = frozenset(int(position) for position in positions)
+        elif positions is not None:
+            positions = {"start": int(positions["start"]), "stop": positions["stop"]}
+        return layers, vector, positions
 
     def _hook(self, layer: int) -> None:
         if layer in self.hooked:
@@ -399,9 +439,9 @@ class Steerer:
     def step(self, scheduler_output: Any, spans: Sequence[tuple[str, int, int]]) -> None:
         """Admit the step's new steered requests, retire finished ones, and copy the step's plan to the device."""
         for request in scheduler_output.finished_req_ids:
-            entry = self.requests.pop(request, None)
-            if entry is not None:
-                self.retired.append(entry[0])
+            entries = self.requests.pop(request, None)
+            if entries is not None:
+                self.retired += [slot for slot, _, _ in entries]
                 self.changes += 1
         for data in scheduler_output.scheduled_new_reqs:
             spec = (getattr(data.sampling_params, "extra_args", None) or {}).get(KEY)
@@ -427,28 +467,35 @@ class Steerer:
         staged = self._staging()[:width]
         plan = staged.numpy()
         plan[:] = 0
-        whole = []  # (first row, rows, slot) of requests steered at every position
+        # (first row, rows, slot) of entries steering every position, by the entry's place in its request's
+        # list: within one place no two entries share a row, and a request's entries steer disjoint blocks,
+        # so each place's slots are added to the zeroed plan at once.
+        whole: list[list[tuple[int, int, int]]] = []
         for start, count, request in steered:
-            slot, blocks, positions = self.requests[request]
-            if not self.every_block:
-                self.active.update(blocks)
-            if positions is None:
-                whole.append((start, count, slot))
+            for place, (slot, blocks, positions) in enumerate(self.requests[request]):
+                if not self.every_block:
+                    self.active.update(blocks)
+                if positions is None:
+                    while len(whole) <= place:
+                        whole.append([])
+                    whole[place].append((start, count, slot))
+                    continue
+                first = self.runner.requests[request].num_computed_tokens
+                rows = [start + offset for offset in range(count) if _steered(first + offset, positions)]
+                plan[rows] += self.mask[slot] * slot
+        for entries in whole:
+            if not entries:
                 continue
-            first = self.runner.requests[request].num_computed_tokens
-            rows = [start + offset for offset in range(count) if _steered(first + offset, positions)]
-            plan[rows] = self.mask[slot] * slot
-        if whole:
-            starts, counts, slots = np.array(whole, dtype=np.int64).T
+            starts, counts, slots = np.array(entries, dtype=np.int64).T
             # Each request's rows, side by side: start + 0 .. count - 1.
             rows = np.arange(counts.sum()) + np.repeat(starts - (np.cumsum(counts) - counts), counts)
             owners = np.repeat(slots, counts)
-            plan[rows] = self.mask[owners] * owners[:, None]
+            plan[rows] += self.mask[owners] * owners[:, None]
         self.index[:width].copy_(staged, non_blocking=True)
         if self.copied[self.turn] is not None:
             self.copied[self.turn].record()
         self.written = total if steered else 0
-        if all(self.requests[request][2] is None for _, _, request in steered):
+        if all(positions is None for _, _, request in steered for _, _, positions in self.requests[request]):
             self.planned = key  # a plan by positions changes with every step
 
     def _staging(self) -> torch.Tensor:
@@ -472,8 +519,9 @@ class Steerer:
             if slot and count and slot in self.owner:
                 request = self.owner[slot]
                 self.failed.setdefault(_stem(request), REFUSED)
-                if self.requests.pop(request, None) is not None:  # unsteered from here on
-                    self.retired.append(slot)
+                entries = self.requests.pop(request, None)
+                if entries is not None:  # unsteered from here on, every entry
+                    self.retired += [each for each, _, _ in entries]
                     self.changes += 1
         if any(counts):
             self.refused.zero_()

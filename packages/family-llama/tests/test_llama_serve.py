@@ -1,0 +1,397 @@
+"""``vlenvoys serve``: one real server process for the module, talked to over HTTP with the openai client.
+
+The server runs the tiny Llama with the same weights as the session's
+``subject`` engine (same architecture and seed), so a served request is
+compared with `vlenvoys.generate` of the same token ids there: plain requests
+token- and logprob-identical, steered ones equal to `vlenvoys.generate` with
+the same `vlenvoys.Steering`. The server is started with ``--api-key``, so
+every request also goes through vLLM's authentication.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import vlenvoys
+from vlenvoys import testing
+from vlenvoys.conformance import record
+from vlenvoys.serving import anyio_classes_first
+
+anyio_classes_first()  # the openai client's anyio classes, defined under nnsight's .save mount otherwise
+
+on_llama = pytest.mark.parametrize("subject", ["LlamaForCausalLM"], indirect=True)
+KEY = "serve-test-key"
+STEPS = 6
+#: A chat template for the tiny tokenizer, which has none.
+TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+
+
+def vector_of(seed: int, scale: float = 3.0) -> torch.Tensor:
+    return scale * torch.randn(128, generator=torch.Generator().manual_seed(seed))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """``vlenvoys serve`` on the tiny Llama, in a process of its own; its base URL, model name and log."""
+    from safetensors.torch import save_file
+
+    folder = tmp_path_factory.mktemp("serve")
+    path = testing.tiny_model("LlamaForCausalLM", folder / "model")
+    save_file({"up": vector_of(1), "down": -vector_of(1)}, str(folder / "vectors.safetensors"))
+    (folder / "chat.jinja").write_text(TEMPLATE)
+    port = free_port()
+    log = open(folder / "server.log", "w")
+    command = [
+        sys.executable, "-c", "from vlenvoys.cli import app; app()", "serve", str(path),
+        "--host", "127.0.0.1", "--port", str(port), "--api-key", KEY, "--max-model-len", "256",
+        "--vectors", str(folder / "vectors.safetensors"), "--chat-template", str(folder / "chat.jinja"),
+        "--served-model-name", "tiny",
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        import httpx
+
+        deadline = time.monotonic() + 300
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"the server exited ({process.returncode}):\n{(folder / 'server.log').read_text()[-4000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not start:\n{(folder / 'server.log').read_text()[-4000:]}")
+            time.sleep(1)
+        yield {"url": url, "model": "tiny", "log": folder / "server.log", "pid": process.pid, "path": path}
+    finally:
+        os.killpg(process.pid, signal.SIGINT)  # its own session: the server and its engine processes
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(10)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    with OpenAI(base_url=f"{server['url']}/v1", api_key=KEY, max_retries=0, timeout=120) as made:
+        yield made
+
+
+def served(client, server, ids, steering=None, **extra) -> list[tuple[int, float]]:
+    """A greedy completion of token ids: each generated token's (id, log-probability)."""
+    body = {"ignore_eos": True, "return_tokens_as_token_ids": True, **extra}
+    if steering is not None:
+        body["steering"] = steering
+    answer = client.completions.create(
+        model=server["model"], prompt=ids, max_tokens=STEPS, temperature=0.0, logprobs=1, extra_body=body
+    )
+    return pairs(answer.choices[0].logprobs)
+
+
+def pairs(logprobs) -> list[tuple[int, float]]:
+    return [(int(token.removeprefix("token_id:")), value) for token, value in zip(logprobs.tokens, logprobs.token_logprobs, strict=True)]
+
+
+def generated(model, ids, steering=None) -> list[tuple[int, float]]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=1)
+    (output,) = vlenvoys.generate(model, [ids], params, steering=steering, use_tqdm=False)
+    done = output.outputs[0]
+    return [(token, step[token].logprob) for token, step in zip(done.token_ids, done.logprobs, strict=True)]
+
+
+def assert_equal(got, want, what: str) -> None:
+    """Same tokens, log-probabilities within float rounding (the largest difference is recorded under ``what``)."""
+    assert [token for token, _ in got] == [token for token, _ in want], what
+    difference = max(abs(a - b) for (_, a), (_, b) in zip(got, want, strict=True))
+    record("LlamaForCausalLM (vlenvoys serve)", what, difference)
+    assert difference <= 1e-5, f"{what}: log-probabilities {difference} apart"
+
+
+@on_llama
+def test_a_plain_completion_is_the_engines(subject, server, client):
+    """No steering: token ids and log-probabilities bit-identical to a plain request on the session's engine."""
+    for ids in subject.prompts:
+        assert served(client, server, ids) == generated(subject.model, ids)
+
+
+def test_a_plain_completion_is_plain_vllms(server, client, prompts):
+    """No steering: token ids and log-probabilities bit-identical to vLLM's own engine (no vlenvoys) on the weights."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = LLM(str(server["path"]), dtype="float32", enforce_eager=True, max_model_len=256,
+                 kv_cache_memory_bytes=1 << 30, enable_prefix_caching=True)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=1)
+        outputs = engine.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts], params, use_tqdm=False)
+    finally:
+        engine.llm_engine.engine_core.shutdown()
+    for ids, output in zip(prompts, outputs, strict=True):
+        done = output.outputs[0]
+        want = [(token, step[token].logprob) for token, step in zip(done.token_ids, done.logprobs, strict=True)]
+        assert served(client, server, ids) == want
+
+
+@on_llama
+@pytest.mark.parametrize("positions", ["all", "prompt", "generated", [0, 2, 11]])
+def test_a_steered_completion_equals_vlenvoys_generate(subject, server, client, positions):
+    vector = vector_of(5)
+    for ids in subject.prompts[:2]:
+        chosen = {"all": None, "prompt": slice(0, len(ids)), "generated": slice(len(ids), None)}.get(
+            positions if isinstance(positions, str) else "", positions
+        )
+        want = generated(subject.model, ids, vlenvoys.Steering([0, 2], vector, 2.5, positions=chosen))
+        field = [{"value": "layer_output", "layer": layer, "vector": vector.tolist(), "factor": 2.5,
+                  "positions": positions} for layer in (0, -1)]
+        got = served(client, server, ids, field)
+        assert_equal(got, want, f"steered ({positions}) vs vlenvoys.generate")
+        if positions == "all":
+            assert got != served(client, server, ids), "the steering must show"
+
+
+def steered_by_a_trace(model, ids, prompt_steers, generated_steers):
+    """Greedy (token, log-probability) of ``ids`` with ``model.steer(layer, vector, factor)`` for each of
+    ``prompt_steers`` at the prefill step and each of ``generated_steers`` at the decode steps."""
+    from vlenvoys.conformance import host
+
+    with model.trace(ids, temperature=0.0, max_tokens=STEPS, ignore_eos=True) as tracer:
+        logits = list().save()
+        for step in tracer.iter[0:STEPS]:
+            for layer, vector, factor in prompt_steers if step == 0 else generated_steers:
+                model.steer(layer, vector, factor)
+            logits.append(model.logits)
+    rows = [host(each).reshape(-1, each.shape[-1])[-1].float().log_softmax(-1) for each in logits]
+    return [(int(row.argmax()), float(row.max())) for row in rows]
+
+
+@on_llama
+@pytest.mark.parametrize("positions", [("all", "all"), ("prompt", "generated")])
+def test_entries_of_several_vectors_equal_steering_in_a_trace(subject, server, client, positions):
+    """Two vectors at two blocks, each its own factor and positions, against ``model.steer`` in a trace."""
+    first, second = vector_of(11), vector_of(12)
+    field = [{"layer": 0, "vector": first.tolist(), "factor": 1.5, "positions": positions[0]},
+             {"layer": 2, "vector": second.tolist(), "factor": -2.0, "positions": positions[1]}]
+    steers = [(0, first, 1.5), (2, second, -2.0)]
+    at_prompt = [steer for steer, chosen in zip(steers, positions, strict=True) if chosen in ("all", "prompt")]
+    at_generated = [steer for steer, chosen in zip(steers, positions, strict=True) if chosen in ("all", "generated")]
+    for ids in subject.prompts[:2]:
+        got = served(client, server, ids, field)
+        assert_equal(got, steered_by_a_trace(subject.model, ids, at_prompt, at_generated), f"two vectors {positions} vs a trace")
+
+
+@on_llama
+def test_a_named_vector_equals_the_same_vector_inline(subject, server, client):
+    ids = subject.prompts[1]
+    named = served(client, server, ids, [{"layer": 1, "vector": "up", "factor": 3.0}])
+    assert named == served(client, server, ids, [{"layer": 1, "vector": vector_of(1).tolist(), "factor": 3.0}])
+    assert named != served(client, server, ids, [{"layer": 1, "vector": "down", "factor": 3.0}])
+
+
+@on_llama
+def test_a_vector_registered_by_the_endpoint_is_served_by_name(subject, server, client):
+    import httpx
+
+    headers = {"Authorization": f"Bearer {KEY}"}
+    answer = httpx.post(f"{server['url']}/v1/steering/vectors", headers=headers,
+                        json={"name": "late", "vector": vector_of(9).tolist()})
+    assert answer.status_code == 200, answer.text
+    listed = httpx.get(f"{server['url']}/v1/steering/vectors", headers=headers).json()
+    assert {"up", "down", "late"} <= {entry["name"] for entry in listed["data"]}
+    ids = subject.prompts[0]
+    assert served(client, server, ids, {"layer": 2, "vector": "late"}) == generated(
+        subject.model, ids, vlenvoys.Steering(2, vector_of(9))
+    )
+    wrong = httpx.post(f"{server['url']}/v1/steering/vectors", headers=headers, json={"name": "short", "vector": [1.0]})
+    assert wrong.status_code == 400 and "expected 128 numbers" in wrong.json()["error"]["message"]
+    assert httpx.get(f"{server['url']}/v1/steering/vectors").status_code == 401, "the registry is behind --api-key"
+
+
+def test_steered_and_plain_requests_in_the_same_steps_each_get_their_own(prompts, server):
+    """Many steered and plain requests at once: each equals the same request sent alone."""
+    from openai import AsyncOpenAI
+
+    steering = [{"layer": 1, "vector": "up", "factor": 2.0}]
+
+    async def one(client, ids, steer):
+        body = {"ignore_eos": True, "return_tokens_as_token_ids": True, **({"steering": steer} if steer else {})}
+        answer = await client.completions.create(
+            model=server["model"], prompt=ids, max_tokens=STEPS, temperature=0.0, logprobs=1, extra_body=body
+        )
+        return pairs(answer.choices[0].logprobs)
+
+    async def scenario():
+        async with AsyncOpenAI(base_url=f"{server['url']}/v1", api_key=KEY, max_retries=0, timeout=120) as client:
+            alone = {}
+            for ids in prompts:
+                for steer in (None, steering):
+                    alone[tuple(ids), steer is None] = await one(client, ids, steer)
+            jobs = [(ids, steer) for _ in range(3) for ids in prompts for steer in (None, steering)]
+            together = await asyncio.gather(*(one(client, ids, steer) for ids, steer in jobs))
+            return alone, jobs, together
+
+    alone, jobs, together = asyncio.run(scenario())
+    for (ids, steer), got in zip(jobs, together, strict=True):
+        assert got == alone[tuple(ids), steer is None], ("plain" if steer is None else "steered", ids)
+    assert alone[tuple(prompts[0]), True] != alone[tuple(prompts[0]), False]
+
+
+@pytest.fixture(scope="module")
+def prompts(server):
+    """The test prompts as the served model's token ids."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(server["path"])
+    return [tokenizer(text)["input_ids"] for text in testing.PROMPTS]
+
+
+MALFORMED = [
+    ({"steering": [{"value": "layer_oops", "layer": 1, "vector": "up"}]}, "unknown value 'layer_oops'"),
+    ({"steering": [{"value": "mlp_output", "layer": 1, "vector": "up"}]}, "'mlp_output' is not served yet"),
+    ({"steering": [{"layer": 1, "vector": [1.0] * 127}]}, "expected 128 numbers"),
+    ({"steering": [{"layer": 1, "vector": [float("nan")] * 128}]}, "NaN or infinite"),
+    ({"steering": [{"layer": 1, "vector": [1e39] + [0.0] * 127}]}, "NaN or infinite"),
+    ({"steering": [{"layer": 3, "vector": "up"}]}, "block 3 does not exist; the model has blocks 0 to 2"),
+    ({"steering": [{"layer": -4, "vector": "up"}]}, "block -4 does not exist"),
+    ({"steering": [{"layer": 1, "vector": "sideways"}]}, "no vector is registered as 'sideways'"),
+    ({"steering": [{"layer": 1, "vector": "up", "factor": 1e30}]}, "beyond"),
+    ({"steering": [{"layer": 1, "vector": "up", "positions": "some"}]}, "positions"),
+    ({"steering": [{"layer": 1, "vector": "up", "positions": [-1]}]}, "positions"),
+    ({"steering": [{"layer": 1, "vector": "up", "colour": 1}]}, "unknown keys ['colour']"),
+    ({"steering": [{"layer": 1, "vector": "up"}, {"layer": 1, "vector": "down"}]}, "block 1 is steered by two entries"),
+    ({"steering": [{"layer": 0, "vector": "up"}] * 17}, "at most 16 are served"),
+    ({"steering": [{"layer": 1, "vector": "up"}, {"layer": 1, "vector": "up"}]}, "block 1 is steered by two entries"),
+    ({"steering": "up"}, "expected an entry"),
+    ({"capture": [{"value": "layer_output", "layer": 1}]}, "'capture' is not served yet"),
+    ({"vllm_xargs": {"vlenvoys_steer": "{}"}}, "is set by the server"),
+]
+
+
+@pytest.mark.parametrize("body, reason", MALFORMED, ids=[reason for _, reason in MALFORMED])
+def test_a_malformed_request_is_a_400_with_its_reason_and_the_server_goes_on(server, body, reason):
+    import httpx
+
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    request = {"model": server["model"], "prompt": "The cat", "max_tokens": 2, **body}
+    answer = httpx.post(f"{server['url']}/v1/completions", headers=headers, content=json.dumps(request), timeout=60)
+    assert answer.status_code == 400, answer.text
+    assert reason in answer.json()["error"]["message"]
+    after = httpx.post(f"{server['url']}/v1/completions", headers=headers, timeout=60,
+                       json={"model": server["model"], "prompt": "The cat", "max_tokens": 2,
+                             "steering": [{"layer": 1, "vector": "up"}]})
+    assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 2
+
+
+def test_a_request_without_the_key_is_a_401_before_its_steering_is_read(server):
+    import httpx
+
+    answer = httpx.post(f"{server['url']}/v1/completions", timeout=60,
+                        json={"model": server["model"], "prompt": "x", "steering": [{"layer": 9, "vector": "up"}]})
+    assert answer.status_code == 401
+
+
+@on_llama
+def test_chat_and_streaming_are_steered(subject, server, client):
+    """A steered chat completion streamed equals it whole, and both equal vlenvoys.generate of the chat's tokens."""
+    messages = [{"role": "user", "content": "The Eiffel Tower is in"}]
+    steering = [{"layer": 1, "vector": "up", "factor": 2.0}]
+    body = {"ignore_eos": True, "return_token_ids": True, "steering": steering}
+    whole = client.chat.completions.create(
+        model=server["model"], messages=messages, max_tokens=STEPS, temperature=0.0, extra_body=body
+    )
+    ids = list(whole.prompt_token_ids)
+    tokens = list(whole.choices[0].token_ids)
+    want = generated(subject.model, ids, vlenvoys.Steering(1, vector_of(1), 2.0))
+    assert tokens == [token for token, _ in want]
+    plain = client.chat.completions.create(
+        model=server["model"], messages=messages, max_tokens=STEPS, temperature=0.0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    assert list(plain.choices[0].token_ids) == [token for token, _ in generated(subject.model, ids)]
+    assert list(plain.choices[0].token_ids) != tokens
+    streamed = client.chat.completions.create(
+        model=server["model"], messages=messages, max_tokens=STEPS, temperature=0.0, stream=True, extra_body=body
+    )
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices)
+    assert text == whole.choices[0].message.content
+    completion = client.completions.create(
+        model=server["model"], prompt=ids, max_tokens=STEPS, temperature=0.0, stream=True,
+        extra_body={"ignore_eos": True, "steering": steering},
+    )
+    assert "".join(chunk.choices[0].text for chunk in completion) == whole.choices[0].message.content
+
+
+def server_memory(server) -> int:
+    import psutil
+
+    root = psutil.Process(server["pid"])
+    return sum(process.memory_info().rss for process in [root, *root.children(recursive=True)])
+
+
+def test_a_soak_of_mixed_concurrent_requests_loses_none(server, prompts):
+    """240 requests at once, a third plain, a third steered inline, a third by name, a few malformed: every one answered."""
+    from openai import AsyncOpenAI, BadRequestError
+
+    inline = vector_of(7).tolist()
+
+    def kind_of(number):
+        return ("plain", "inline", "named", "bad")[number % 4] if number % 20 else "bad"
+
+    async def one(client, number):
+        kind = kind_of(number)
+        steer = {"plain": None, "inline": [{"layer": 0, "vector": inline, "positions": "generated"}],
+                 "named": [{"layer": 2, "vector": "down", "factor": 0.5}],
+                 "bad": [{"layer": 1, "vector": "nobody"}]}[kind]
+        body = {"ignore_eos": True, **({"steering": steer} if steer else {})}
+        try:
+            answer = await client.completions.create(
+                model=server["model"], prompt=prompts[number % len(prompts)], max_tokens=4, temperature=0.0,
+                extra_body=body, stream=number % 3 == 0,
+            )
+        except BadRequestError:
+            return kind, "400"
+        if number % 3 == 0:
+            return kind, "".join([chunk.choices[0].text async for chunk in answer])
+        assert answer.usage.completion_tokens == 4
+        return kind, answer.choices[0].text
+
+    async def soak(count):
+        async with AsyncOpenAI(base_url=f"{server['url']}/v1", api_key=KEY, max_retries=0, timeout=300) as client:
+            return await asyncio.gather(*(one(client, number) for number in range(count)))
+
+    first = asyncio.run(soak(240))
+    before = server_memory(server)
+    second = asyncio.run(soak(240))
+    grown = server_memory(server) - before
+    for results in (first, second):
+        assert len(results) == 240
+        for kind, text in results:
+            assert (text == "400") == (kind == "bad"), kind
+    # The same requests gave the same answers (greedy, deterministic batching on the CPU engine).
+    assert first == second
+    record("LlamaForCausalLM (vlenvoys serve)", "soak: second round's memory growth, MiB", grown / 2**20)
+    assert grown < 256 * 2**20, f"the server grew by {grown / 2**20:.0f} MiB over a second round of 240 requests"
+
