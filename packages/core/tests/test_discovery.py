@@ -88,3 +88,24 @@ def test_engines_that_would_serve_short_values_are_refused_before_starting(tmp_p
     path = testing.tiny_model("LlamaForCausalLM", tmp_path / "model")
     with pytest.raises(ValueError, match=message):
         vlenvoys.load(path, **engine_kwargs)
+
+
+def test_a_family_package_that_fails_to_load_is_skipped_and_named(tmp_path, monkeypatch):
+    """A broken family package (built for another core, half-installed) leaves the others served."""
+    from vlenvoys import family
+
+    info = tmp_path / "vlenvoys_broken-0.1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vlenvoys-broken\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text(f"[{family.GROUP}]\nbroken = vlenvoys_no_such_module:FAMILY\n")
+    before = installed_names()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(family, "BROKEN", [])
+    family._discover.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="vlenvoys-broken.*failed to load and is skipped.*vlenvoys_no_such_module"):
+            assert installed_names() == before
+        with pytest.raises(vlenvoys.UnknownArchitecture, match="Failed to load \\(skipped\\): vlenvoys-broken"):
+            resolve(["FalconForCausalLM"])
+    finally:
+        family._discover.cache_clear()

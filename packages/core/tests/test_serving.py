@@ -59,6 +59,9 @@ def test_entries_of_several_vectors_are_one_spec_each():
     ([{"layer": 0, "vector": [1.0] * HIDDEN, "factor": 1e300}], "non-finite"),
     ([{"layer": 0, "vector": [1.0] * HIDDEN, "positions": "last"}], "positions"),
     ([], "non-empty list"),
+    # Each entry under the per-entry bound, their squares' sum past float32's range.
+    ([{"layer": 0, "vector": [1.0] * HIDDEN, "factor": 1e19}], "has a norm beyond"),
+    ([{"layer": 0, "vector": [1.5e19] * HIDDEN}], "norm is beyond float32"),
 ])
 def test_a_field_the_model_cannot_take_says_why(field, reason):
     with pytest.raises(SteeringError) as raised:
@@ -91,3 +94,16 @@ def test_a_vectors_file_is_checked_when_loaded(tmp_path):
         vectors.load(tmp_path / "wide.safetensors", HIDDEN)
     with pytest.raises(FileNotFoundError):
         vectors.load(tmp_path / "none.safetensors", HIDDEN)
+
+
+def test_beam_search_is_refused_and_a_huge_vector_is_not_registered():
+    """vLLM's beam search runs requests of its own (they would go unsteered); a vector whose norm overflows is kept out."""
+    from vlenvoys.serving import Vectors, rewritten
+
+    with pytest.raises(SteeringError, match="beam search is not steered"):
+        rewritten({"prompt": "x", "use_beam_search": True, "steering": [{"layer": 0, "vector": [0.5] * HIDDEN}]},
+                  HIDDEN, 2, torch.float32, Vectors())
+    vectors = Vectors()
+    with pytest.raises(SteeringError, match="norm is beyond float32's range"):
+        vectors.add("big", [1e30] * HIDDEN, HIDDEN)
+    assert "big" not in vectors.named

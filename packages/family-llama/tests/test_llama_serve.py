@@ -60,7 +60,9 @@ def server(tmp_path_factory):
         sys.executable, "-c", "from vlenvoys.cli import app; app()", "serve", str(path),
         "--host", "127.0.0.1", "--port", str(port), "--api-key", KEY, "--max-model-len", "256",
         "--vectors", str(folder / "vectors.safetensors"), "--chat-template", str(folder / "chat.jinja"),
-        "--served-model-name", "tiny",
+        "--served-model-name", "tiny", "--enable-scale-out",
+        # On a GPU, beside the session's engine: a share as small as the test engines' (vlenvoys.oracle.engine).
+        *(["--gpu-memory-utilization", "0.08", "--kv-cache-memory-bytes", str(1 << 30)] if torch.cuda.is_available() else []),
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -287,6 +289,7 @@ MALFORMED = [
     ({"steering": "up"}, "expected an entry"),
     ({"capture": [{"value": "layer_output", "layer": 1}]}, "'capture' is not served yet"),
     ({"vllm_xargs": {"vlenvoys_steer": "{}"}}, "is set by the server"),
+    ({"Steering": [{"layer": 1, "vector": "up"}]}, "unknown field 'Steering'"),
 ]
 
 
@@ -303,6 +306,36 @@ def test_a_malformed_request_is_a_400_with_its_reason_and_the_server_goes_on(ser
                        json={"model": server["model"], "prompt": "The cat", "max_tokens": 2,
                              "steering": [{"layer": 1, "vector": "up"}]})
     assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 2
+
+
+@on_llama
+def test_steering_set_by_hand_on_another_path_is_refused(subject, server, prompts):
+    """vLLM's token-in endpoint (``--enable-scale-out``) takes ``extra_args`` from the body, past the middleware.
+
+    A spec made exactly as the middleware makes it, but without the cache salt
+    the middleware adds, would share cached prefixes with plain requests: it is
+    refused on its way to the engine, and the server goes on serving.
+    """
+    import httpx
+
+    from vlenvoys.serving import VECTORS, steering_spec, salt_of
+
+    spec = json.dumps(steering_spec({"layer": 1, "vector": vector_of(1).tolist()}, 128, 3, torch.float32, VECTORS),
+                      separators=(",", ":"))
+    headers = {"Authorization": f"Bearer {KEY}"}
+    params = {"max_tokens": 2, "temperature": 0.0, "extra_args": {"vlenvoys_steer": spec}}
+    request = {"model": server["model"], "token_ids": prompts[0], "sampling_params": params}
+    for salt in (None, "mine"):
+        answer = httpx.post(f"{server['url']}/inference/v1/generate", headers=headers, timeout=60,
+                            json={**request, **({"cache_salt": salt} if salt else {})})
+        assert answer.status_code == 400, answer.text
+        assert "is the server's own" in answer.text
+    salted = httpx.post(f"{server['url']}/inference/v1/generate", headers=headers, timeout=60,
+                        json={**request, "cache_salt": salt_of(spec)})
+    assert salted.status_code == 200, "the salt the middleware gives lets it through (it is then what a steered request is)"
+    plain = httpx.post(f"{server['url']}/inference/v1/generate", headers=headers, timeout=60,
+                       json={**request, "sampling_params": {"max_tokens": 2, "temperature": 0.0}})
+    assert plain.status_code == 200, plain.text
 
 
 def test_a_request_without_the_key_is_a_401_before_its_steering_is_read(server):

@@ -365,6 +365,95 @@ class _Writer:
             raise self.error
 
 
+class _Ahead:
+    """An iterator drawn on a thread of its own, up to ``depth`` chunks of ``chunk`` items ahead of its reader.
+
+    The corpus is read and tokenized (the fast tokenizer runs without the GIL)
+    while the client drives the engine; an error reaches the reader at the item
+    where it happened. `close` stops the thread early.
+    """
+
+    def __init__(self, items: Iterable, depth: int = 4, chunk: int = 64) -> None:
+        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._work, args=(iter(items), chunk), name="vlenvoys-windows", daemon=True)
+        self.thread.start()
+
+    def _put(self, item: Any) -> bool:
+        while not self.stopped.is_set():
+            try:
+                self.queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _work(self, items: Iterator, chunk: int) -> None:
+        try:
+            while batch := list(itertools.islice(items, chunk)):
+                if not self._put(batch):
+                    return
+            self._put(None)
+        except BaseException as error:
+            self._put(error)
+
+    def __iter__(self) -> Iterator:
+        while True:
+            got = self.queue.get()
+            if got is None:
+                return
+            if isinstance(got, BaseException):
+                raise got
+            yield from got
+
+    def close(self) -> None:
+        self.stopped.set()
+        self.thread.join()
+
+
+class _InThread:
+    """``deliver`` called on a thread of its own, in order, at most ``depth`` calls behind the caller.
+
+    The client's thread goes back to the engine while the values of the
+    windows that finished are copied into their shard (a copy runs without the
+    GIL). The views handed over keep the engine's memory they point to until
+    copied, so the engine holds at most ``depth`` more windows' values.
+    """
+
+    def __init__(self, deliver: Callable, depth: int) -> None:
+        self.deliver = deliver
+        self.queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._work, name="vlenvoys-deliver", daemon=True)
+        self.thread.start()
+
+    def _work(self) -> None:
+        while (job := self.queue.get()) is not None:
+            if self.error is None:  # after an error the rest is dropped: the caller raises it at its next call
+                try:
+                    self.deliver(*job)
+                except BaseException as error:
+                    self.error = error
+            del job
+
+    def __call__(self, *args: Any) -> None:
+        self.raise_error()
+        self.queue.put(args)
+
+    def stop(self) -> None:
+        """Deliver what was handed over, then end the thread."""
+        self.queue.put(None)
+        self.thread.join()
+
+    def close(self) -> None:
+        self.stop()
+        self.raise_error()
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
 class _Assembler:
     """Windows' values in window order, cut into shards of ``shard_windows`` windows each.
 
@@ -552,21 +641,29 @@ def collect_dataset(
     writer = _Writer(shards)
     assembler = _Assembler(plan, start, writer, _begin_token(tokenizer))
     bar = _progress_bar(progress, total)
+    in_flight = batch_size or _scheduled_at_once(model)
+    # Three threads beside the client's, which only drives the engine: the corpus is tokenized
+    # ahead, each window's values are copied into their shard, and each whole shard is written.
+    ahead = _Ahead(cut)
+    deliver = _InThread(assembler.deliver, in_flight)
     try:
         stream(
             model,
-            itertools.starmap(assembler.register, enumerate(itertools.chain([first], cut), start=start)),
+            itertools.starmap(assembler.register, enumerate(itertools.chain([first], ahead), start=start)),
             reads,
-            assembler.deliver,
-            batch_size=batch_size or _scheduled_at_once(model),
+            deliver,
+            batch_size=in_flight,
             progress=(lambda finished: bar.update(finished * context_length)) if bar is not None else None,
         )
+        deliver.close()
         assembler.finish()
         writer.close()
     except BaseException:
-        writer.stop()  # the shards already whole are written before the error goes up
+        deliver.stop()  # the values already out of the engine go to their shards,
+        writer.stop()  # and the shards already whole are written before the error goes up
         raise
     finally:
+        ahead.close()
         if bar is not None:
             bar.close()
     shards.finish()

@@ -156,33 +156,13 @@ def stream(
     come (`collect`): the views then share one mapping per file for the run.
     Raises what `collect` raises; an error of ``deliver`` aborts the requests in flight.
     """
-    with _one_thread_beside_a_cpu_engine():
+    from .handover import one_thread_beside_a_cpu_engine
+
+    with one_thread_beside_a_cpu_engine():
         if collector.eligible(model, reads) is None and _ranks(model) == 1:
             _batched(model, prompts, reads, batch_size, progress, deliver, kept)
         else:
             _registered(model, prompts, reads, batch_size, progress, deliver)
-
-
-@contextlib.contextmanager
-def _one_thread_beside_a_cpu_engine() -> Iterator[None]:
-    """torch on one thread in this process for the block, where vLLM's engine runs on this machine's CPUs.
-
-    The client's copies (each prompt's rows out of the engine's memory) would fork over
-    the machine's threads, and the CPU engine's threads spin on those cores between
-    steps: a copy then waits for a thread that has no core. An activation dataset's
-    collection on the CPU spent 61 % of its client time in one such copy.
-    """
-    from vllm.platforms import current_platform
-
-    before = torch.get_num_threads()
-    if not current_platform.is_cpu() or before == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _scheduled_at_once(model: Any) -> int:

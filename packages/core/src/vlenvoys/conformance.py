@@ -613,6 +613,33 @@ def same_generations(subject, what: str, outputs: list, traced: list) -> None:
             assert close(subject, what, torch.tensor([offered[token].logprob]), want[None])
 
 
+def test_collect_equals_a_trace(subject):
+    """`vlenvoys.collect` (each module read once per step for every request) gives each prompt a trace's values.
+
+    Three prompts, three values at the first and last block, against one
+    trace per value with an invoke per prompt; bit-identical on the CPU
+    engine, within the oracle's bound where the GPU tiles by the step's shape.
+    """
+    model, prompts = subject.model, subject.prompts[:3]
+    layers = [0, model.num_layers - 1]
+    for owner, value in (("self_attn", "attention_output"), ("mlp", "mlp_output"), (None, "layer_output")):
+        collected = vlenvoys.collect(model, prompts, value, layers)
+        with model.trace(temperature=0.0, max_tokens=1) as tracer:
+            traced = dict().save()
+            for number, prompt in enumerate(prompts):
+                with tracer.invoke(prompt):
+                    for layer in layers:
+                        block = model.layers[layer]
+                        traced[number, layer] = getattr(block if owner is None else getattr(block, owner), value).save()
+        for layer in layers:
+            rows = collected[f"{value}.{layer}"]
+            assert len(rows) == len(prompts), value
+            for number, got in enumerate(rows):
+                want = traced[number, layer]
+                assert tuple(got.shape) == tuple(want.shape), (value, layer, number)
+                assert same_rows(got.to(want.device), want, subject), (value, layer, number)
+
+
 def test_graph_engine_steers_as_a_trace(subject):
     """On a GPU, an engine replaying CUDA graphs (``load(cuda_graphs=True)``) of the same weights steers as a trace does.
 

@@ -105,14 +105,26 @@ class InstalledFamily:
         return self.family.name
 
 
+#: Family entry points that failed to load: "distribution (entry point): error", for UnknownArchitecture's message.
+BROKEN: list[str] = []
+
+
 @functools.cache
 def _discover() -> tuple[InstalledFamily, ...]:
     found = []
     for entry in importlib.metadata.entry_points(group=GROUP):
-        family = entry.load()
-        if not isinstance(family, Family):
-            raise TypeError(f"entry point {entry.name} = {entry.value} in {GROUP} is not a vlenvoys.Family")
         dist = entry.dist
+        try:
+            family = entry.load()
+            if not isinstance(family, Family):
+                raise TypeError(f"{entry.value} is not a vlenvoys.Family")
+        except Exception as error:
+            # One broken package (built for another vlenvoys-core, half-installed) must not take the
+            # other families down with it: it is skipped, said once, and named where a model needs it.
+            broken = f"{dist.name if dist else '?'} (entry point {entry.name} = {entry.value}): {type(error).__name__}: {error}"
+            BROKEN.append(broken)
+            warnings.warn(f"vlenvoys: a family package failed to load and is skipped: {broken}", stacklevel=2)
+            continue
         found.append(InstalledFamily(family, dist.name if dist else "?", dist.version if dist else "?"))
     return tuple(sorted(found, key=lambda installed: installed.name))
 
@@ -150,9 +162,10 @@ def resolve(architectures: Iterable[str], backend: bool = False) -> tuple[Instal
         if packages
         else "no published family serves it; a family package is a short list of declarations (see the README)"
     )
+    broken = f" Failed to load (skipped): {'; '.join(BROKEN)}." if BROKEN else ""
     raise UnknownArchitecture(
         f"no installed vlenvoys family declares architecture {' / '.join(architectures) or '(none in the config)'}: "
-        f"{hint}. Installed families: {installed}."
+        f"{hint}. Installed families: {installed}.{broken}"
     )
 
 

@@ -31,7 +31,8 @@ and hands the request's spec to the engine in ``vllm_xargs`` (vLLM's
 ``SamplingParams.extra_args``; `vlenvoys.steering.KEY`, as JSON text, the
 vector as base64 of its float32 bytes), and salts the request's prefix cache
 by its steering (``cache_salt``) so steered and plain requests never share a
-cached prefix. A field the model cannot take is a 400 naming the reason
+cached prefix; `guard` refuses a spec set by hand on any path without that
+salt. A field the model cannot take is a 400 naming the reason
 (OpenAI's error shape, ``param`` ``"steering"``), before the request reaches
 the engine; the server goes on serving.
 
@@ -56,7 +57,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["SteeringError", "SteeringMiddleware", "Vectors", "main", "steering_spec"]
+__all__ = ["SteeringError", "SteeringMiddleware", "Vectors", "guard", "main", "salt_of", "steering_spec"]
 
 #: Where named vectors are listed (GET) and registered (POST).
 VECTORS_PATH = "/v1/steering/vectors"
@@ -152,6 +153,8 @@ def _numbers(vector: Any, hidden_size: int, what: str, param: str = "steering") 
         raise SteeringError(f"{what}: expected {hidden_size} numbers (the model's hidden_size), got {list(tensor.shape)}", param)
     if not torch.isfinite(tensor).all():
         raise SteeringError(f"{what}: has NaN or infinite entries (or entries too large for float32)", param)
+    if not torch.isfinite(tensor.norm()):  # its listing reports the norm; a request would be refused anyway
+        raise SteeringError(f"{what}: its norm is beyond float32's range (entries too large to steer with)", param)
     return tensor
 
 
@@ -263,6 +266,10 @@ def rewritten(body: dict, hidden_size: int, num_layers: int, dtype: torch.dtype,
     for field in LATER:
         if field in body:
             raise SteeringError(f"{field!r} is not served yet by vlenvoys serve (steering is)", field)
+    for field in body:
+        # vLLM ignores fields it does not know: a misspelt steering would generate unsteered without a word.
+        if field != "steering" and isinstance(field, str) and field.lower().startswith("steer"):
+            raise SteeringError(f"unknown field {field!r}; a request steers with the field 'steering'", field)
     xargs = body.get("vllm_xargs")
     if isinstance(xargs, dict) and KEY in xargs:
         raise SteeringError(f"vllm_xargs[{KEY!r}] is set by the server; steer with the request's 'steering' field", "vllm_xargs")
@@ -272,16 +279,61 @@ def rewritten(body: dict, hidden_size: int, num_layers: int, dtype: torch.dtype,
     field = body.pop("steering")
     if field is None or field == []:
         return body
+    if body.get("use_beam_search"):
+        # vLLM's beam search runs requests of its own, which would go unsteered.
+        raise SteeringError("beam search is not steered (use_beam_search); steer sampled or greedy requests", "use_beam_search")
     if xargs is not None and not isinstance(xargs, dict):
         raise SteeringError("vllm_xargs: expected an object", "vllm_xargs")
     spec = steering_spec(field, hidden_size, num_layers, dtype, vectors)
     text = json.dumps(spec, separators=(",", ":"))
     body["vllm_xargs"] = {**(xargs or {}), KEY: text}
     # Salted by its steering, as vlenvoys.generate salts it: a prefix cache shared only with requests steered alike.
-    salt = "vlenvoys-steer-" + hashlib.sha256(text.encode()).hexdigest()
+    salt = salt_of(text)
     own = body.get("cache_salt")
     body["cache_salt"] = f"{own}-{salt}" if isinstance(own, str) and own else salt
     return body
+
+
+def salt_of(text: str) -> str:
+    """The cache salt of a request whose steering spec is ``text`` (its JSON in ``vllm_xargs``)."""
+    return "vlenvoys-steer-" + hashlib.sha256(text.encode()).hexdigest()
+
+
+def guard(engine_client: Any) -> None:
+    """Refuse, in the API server, every request that reaches the engine with steering but without its cache salt.
+
+    The middleware sees only the paths it serves; vLLM has others that take
+    ``extra_args`` straight from the body (``/inference/v1/generate`` under
+    ``--enable-scale-out``, ``/v1/responses``' ``vllm_xargs``). A request
+    steered there would share cached prefixes with plain requests, so each
+    request on its way to the engine core is checked here, whatever its path.
+
+    Raises (for the request, which vLLM answers with an error; the engine goes on):
+        VLLMValidationError: ``extra_args`` holding `vlenvoys.steering.KEY`
+            with a cache salt that does not end in the spec's.
+    """
+    core = getattr(engine_client, "engine_core", None)
+    if core is None or getattr(core, "vlenvoys_guarded", False):
+        return
+    from vllm.exceptions import VLLMValidationError
+
+    from .steering import KEY
+
+    add = core.add_request_async
+
+    async def add_request_async(request: Any) -> Any:
+        extra = getattr(request.sampling_params, "extra_args", None) or {}
+        if KEY in extra:
+            spec, salt = extra[KEY], request.cache_salt
+            if not (isinstance(spec, str) and isinstance(salt, str) and salt.endswith(salt_of(spec))):
+                raise VLLMValidationError(
+                    f"extra_args[{KEY!r}] is the server's own; steer with the 'steering' field of {' or '.join(GENERATING)}",
+                    parameter="vllm_xargs",
+                )
+        return await add(request)
+
+    core.add_request_async = add_request_async
+    core.vlenvoys_guarded = True
 
 
 def _error(message: str, param: str | None, status: int = 400) -> Any:
@@ -313,6 +365,7 @@ class SteeringMiddleware:
     def _start(self, app: Any) -> None:
         if self.shape is not None:
             return
+        guard(app.state.engine_client)
         config = app.state.vllm_config.model_config
         self.shape = (int(config.get_hidden_size()), int(config.hf_text_config.num_hidden_layers), config.dtype)
         args = app.state.args
@@ -330,12 +383,14 @@ class SteeringMiddleware:
         return self.guard is None or self.guard.verify_token(Headers(scope=scope))
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope.get("method") not in ("POST", "GET"):
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        self._start(scope["app"])  # before any request reaches the engine, whatever its path
         path = scope["path"].removeprefix(scope.get("root_path", ""))
-        if not path.startswith("/v1/") or (scope["method"] == "GET" and path != VECTORS_PATH):
+        if scope.get("method") not in ("POST", "GET") or not path.startswith("/v1/") or (
+            scope["method"] == "GET" and path != VECTORS_PATH
+        ):
             return await self.app(scope, receive, send)
-        self._start(scope["app"])
         if not self._allowed(scope):
             return await self.app(scope, receive, send)  # vLLM's authentication answers it
         if path == VECTORS_PATH and scope["method"] == "GET":

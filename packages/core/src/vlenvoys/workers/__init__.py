@@ -323,14 +323,15 @@ def unpacked(meta: bytes, block: bytearray | tuple[str, int], entries: list, siz
     ``block`` is the bytes themselves, or ``(file, byte offset)`` of ``size``
     bytes in shared memory (`vlenvoys.handover.taken_saves`).
     """
-    if isinstance(block, tuple):
-        from ..handover import taken_saves
+    from ..handover import one_thread_beside_a_cpu_engine, taken_saves
 
-        pin = any(entry[4].startswith("cuda") for entry in entries)
-        tensors = taken_saves(block, size, lambda host: _copied(host, entries), pin=pin)
-    else:
-        host = torch.frombuffer(block, dtype=torch.uint8) if len(block) else torch.empty(0, dtype=torch.uint8)
-        tensors = _copied(host, entries)
+    with one_thread_beside_a_cpu_engine():
+        if isinstance(block, tuple):
+            pin = any(entry[4].startswith("cuda") for entry in entries)
+            tensors = taken_saves(block, size, lambda host: _copied(host, entries), pin=pin)
+        else:
+            host = torch.frombuffer(block, dtype=torch.uint8) if len(block) else torch.empty(0, dtype=torch.uint8)
+            tensors = _copied(host, entries)
     return _SavesUnpickler(io.BytesIO(meta), tensors).load()
 
 
@@ -368,16 +369,6 @@ def _copy_run(host: torch.Tensor, entries: list, run: list[int], tensors: list, 
         staged = torch.empty(last - first, dtype=torch.uint8, pin_memory=True)
         staged.copy_(part)
         copied = staged.to(device, non_blocking=True)
-    elif device == "cpu":
-        # Copied by numpy, on this thread. torch's copy forks over the machine's threads, which on a CPU engine's
-        # machine are the engine's (they spin between steps): a 3-read trace's 70 MB took 0.4-0.9 s that way, 0.03 s here.
-        source = part.numpy()
-        for index in run:
-            start, size, dtype, shape, _ = entries[index]
-            tensors[index] = torch.empty(shape, dtype=dtype)
-            tensors[index].reshape(-1).view(torch.uint8).numpy()[:] = source[start - first : start - first + size]
-        run.clear()
-        return
     else:
         copied = part.to(device)
     for index in run:
