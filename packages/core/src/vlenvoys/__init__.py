@@ -18,22 +18,25 @@ from .envoys import (
     TransformersLayer,
     TransformersMlp,
 )
-from .errors import DECODE_STEP, GATED, ROUTED, InvalidWrite, ReadOnly, SkipRefused, Unavailable, UnknownArchitecture
+from .errors import DECODE_STEP, FUSED_ROUTING, GATED, NOT_ROUTED, ROUTED, InvalidWrite, ReadOnly, SkipRefused, Unavailable, UnknownArchitecture
 from .family import BACKBONE_NAMES, Architecture, Family, InstalledFamily, families
 from .steering import Steering, generate
 from .support import Support, support
-from .values import Derived, Flat, Heads, Neurons, Pattern, Residual, argument, batched, summed, summed_output, unbatched, with_argument
+from .values import Derived, Experts, Flat, Heads, Neurons, Pattern, Residual, Routes, argument, batched, summed, summed_output, unbatched, with_argument
 from .version import __version__
 
 __all__ = [
     "BACKBONE_NAMES",
     "DECODE_STEP",
+    "FUSED_ROUTING",
     "GATED",
+    "NOT_ROUTED",
     "ROUTED",
     "Architecture",
     "Attention",
     "Family",
     "Derived",
+    "Experts",
     "Flat",
     "FusedLayer",
     "Heads",
@@ -45,6 +48,7 @@ __all__ = [
     "Pattern",
     "ReadOnly",
     "Residual",
+    "Routes",
     "SkipRefused",
     "StandardEnvoy",
     "StandardizedVLLM",
