@@ -312,59 +312,6 @@ class _Shards:
         os.replace(temporary, self.manifest)
 
 
-class _Writer:
-    """Writes shards on a thread of its own, one behind the engine: the forward goes on while a shard is written."""
-
-    def __init__(self, shards: _Shards) -> None:
-        self.shards = shards
-        self.queue: queue.Queue = queue.Queue(maxsize=1)  # one shard waiting at most: memory stays flat
-        #: Shards' value tensors written and free to fill again: memory the system has already given
-        #: (a new shard-sized tensor costs a page fault and a zeroed page per 4 KiB at its first write).
-        self.free: queue.SimpleQueue = queue.SimpleQueue()
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._work, name="vlenvoys-shard-writer", daemon=True)
-        self.thread.start()
-
-    def _work(self) -> None:
-        while (job := self.queue.get()) is not None:
-            tensors, first, last, buffers = job
-            if self.error is None:
-                try:
-                    self.shards.write(tensors, first, last)
-                except BaseException as error:
-                    self.error = error
-            del tensors, job
-            self.free.put(buffers)
-
-    def put(self, tensors: dict, first: int, last: int, buffers: dict[str, torch.Tensor]) -> None:
-        """Write ``tensors`` (views of ``buffers``, which are free to reuse once written) as windows ``first`` to ``last - 1``."""
-        self.raise_error()
-        self.queue.put((tensors, first, last, buffers))
-
-    def buffers(self, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:
-        """Tensors of these shapes and dtypes for a shard: a written shard's where they match, else new ones."""
-        while True:
-            try:
-                free = self.free.get_nowait()
-            except queue.Empty:
-                return {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in shapes.items()}
-            if {key: (tuple(tensor.shape), tensor.dtype) for key, tensor in free.items()} == shapes:
-                return free
-
-    def stop(self) -> None:
-        """Finish the shards already handed over, then end the thread."""
-        self.queue.put(None)
-        self.thread.join()
-
-    def close(self) -> None:
-        self.stop()
-        self.raise_error()
-
-    def raise_error(self) -> None:
-        if self.error is not None:
-            raise self.error
-
-
 class _Ahead:
     """An iterator drawn on a thread of its own, up to ``depth`` chunks of ``chunk`` items ahead of its reader.
 
@@ -420,11 +367,11 @@ class _InThread:
     copied, so the engine holds at most ``depth`` more windows' values.
     """
 
-    def __init__(self, deliver: Callable, depth: int) -> None:
+    def __init__(self, deliver: Callable, depth: int, name: str = "vlenvoys-deliver") -> None:
         self.deliver = deliver
         self.queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._work, name="vlenvoys-deliver", daemon=True)
+        self.thread = threading.Thread(target=self._work, name=name, daemon=True)
         self.thread.start()
 
     def _work(self) -> None:
@@ -452,6 +399,38 @@ class _InThread:
     def raise_error(self) -> None:
         if self.error is not None:
             raise self.error
+
+
+class _Writer(_InThread):
+    """Writes shards on a thread of its own, one behind the engine: the forward goes on while a shard is written."""
+
+    def __init__(self, shards: _Shards) -> None:
+        self.shards = shards
+        #: Shards' value tensors written and free to fill again: memory the system has already given
+        #: (a new shard-sized tensor costs a page fault and a zeroed page per 4 KiB at its first write).
+        self.free: queue.SimpleQueue = queue.SimpleQueue()
+        # One shard waiting at most: memory stays flat.
+        super().__init__(self._write, depth=1, name="vlenvoys-shard-writer")
+
+    def _write(self, tensors: dict, first: int, last: int, buffers: dict[str, torch.Tensor]) -> None:
+        try:
+            self.shards.write(tensors, first, last)
+        finally:
+            self.free.put(buffers)
+
+    def put(self, tensors: dict, first: int, last: int, buffers: dict[str, torch.Tensor]) -> None:
+        """Write ``tensors`` (views of ``buffers``, which are free to reuse once written) as windows ``first`` to ``last - 1``."""
+        self(tensors, first, last, buffers)
+
+    def buffers(self, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:
+        """Tensors of these shapes and dtypes for a shard: a written shard's where they match, else new ones."""
+        while True:
+            try:
+                free = self.free.get_nowait()
+            except queue.Empty:
+                return {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in shapes.items()}
+            if {key: (tuple(tensor.shape), tensor.dtype) for key, tensor in free.items()} == shapes:
+                return free
 
 
 class _Assembler:
