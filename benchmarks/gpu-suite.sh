@@ -27,7 +27,8 @@ $T $P packages/family-exaone/tests > "$L/exaone.log" 2>&1 &
 # Triton's default float32 dots (TF32), for the record: vlenvoys.load makes them IEEE float32.
 TRITON_F32_DEFAULT=tf32 $T $P $LT/test_llama_oracle.py -k "test_each_prompt_alone and LlamaForCausalLM and not bf16 and not tp2" > "$L/tf32.log" 2>&1 &
 wait
-# vlenvoys serve through a real server and the openai client, where the bundle has the server's parts.
+# vlenvoys serve through a real server and the openai client, where the server's parts are installed
+# (the bundle has not all of them: benchmarks/gpu-extras.sh adds the rest).
 S=${SERVE_SECONDS:-240}
 [ "$S" -gt 0 ] && python3 -c "import uvicorn, httpx, openai" 2>/dev/null && timeout "$S" $P $LT/test_llama_serve.py > "$L/serve.log" 2>&1
 timeout ${CLI_SECONDS:-240} $P $LT/test_llama_api.py $LT/test_llama_datasets.py -k "command or stopped" > "$L/cli.log" 2>&1
