@@ -13,13 +13,14 @@ from .envoys import (
     FusedLayer,
     Layer,
     Mlp,
+    ParallelLayer,
     StandardEnvoy,
     TransformersAttention,
     TransformersLayer,
     TransformersMlp,
 )
-from .errors import DECODE_STEP, GATED, ROUTED, InvalidWrite, ReadOnly, SkipRefused, Unavailable, UnknownArchitecture
-from .family import BACKBONE_NAMES, Architecture, Family, InstalledFamily, families
+from .errors import DECODE_STEP, GATED, PARALLEL, ROUTED, InvalidWrite, ReadOnly, SkipRefused, Unavailable, UnknownArchitecture
+from .family import BACKBONE_NAMES, Architecture, ByConfig, Family, InstalledFamily, families
 from .steering import Steering, generate
 from .support import Support, support
 from .values import Derived, Flat, Heads, Neurons, Pattern, Residual, argument, batched, summed, summed_output, unbatched, with_argument
@@ -29,9 +30,11 @@ __all__ = [
     "BACKBONE_NAMES",
     "DECODE_STEP",
     "GATED",
+    "PARALLEL",
     "ROUTED",
     "Architecture",
     "Attention",
+    "ByConfig",
     "Family",
     "Derived",
     "Flat",
@@ -42,6 +45,7 @@ __all__ = [
     "Layer",
     "Mlp",
     "Neurons",
+    "ParallelLayer",
     "Pattern",
     "ReadOnly",
     "Residual",

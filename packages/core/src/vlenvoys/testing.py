@@ -7,7 +7,8 @@ English paragraphs, to a folder that both ``AutoModelForCausalLM.from_pretrained
 Default shapes: hidden 128, 4 query heads of head dim 32 (vLLM's CPU attention
 refuses head dim 16), 2 key/value heads where the
 architecture has grouped-query attention, MLP intermediate 256, 3 layers,
-vocabulary 512, 256 positions, float32. Architectures with interleaved
+vocabulary 512, 256 positions, float32. GPT-NeoX and GPT-J rotate a
+quarter of each head (partial rotary). Architectures with interleaved
 sliding-window layers (Gemma2, Gemma3, Exaone4) alternate sliding (window 16
 tokens) and full attention, so the longer :data:`PROMPTS` cross the window.
 Weights are drawn with std ``hidden_size ** -0.5`` instead of the usual 0.02
@@ -135,6 +136,13 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "mlp_only_layers": [],
         "norm_topk_prob": True,
     },
+    # Pythia's block: attention and MLP both read the block input (parallel residual), a quarter
+    # of each head rotated (rotary_pct 0.25, 8 of 32 dimensions), rotate-half (NeoX) style.
+    # use_parallel_residual=False gives the sequential block.
+    "GPTNeoXForCausalLM": _BASE | {"intermediate_size": 256, "rotary_pct": 0.25, "use_parallel_residual": True},
+    # GPT-J: parallel block with one norm for both sublayers, 8 of each head's 32 dimensions rotated,
+    # interleaved (GPT-J) style.
+    "GPTJForCausalLM": _BASE | {"n_inner": 256, "rotary_dim": 8},
 }
 
 
