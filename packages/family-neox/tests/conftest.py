@@ -1,7 +1,9 @@
 """One vLLM engine per model for the session, beside transformers with the same weights.
 
-GPT-NeoX runs on vLLM's transformers backend, which wraps transformers' GPT-NeoX classes in the
-process that starts the engine; see `test_neox_oracle` for how its subjects are run.
+GPT-NeoX runs on vLLM's transformers backend, which decorates transformers' GPT-NeoX classes in
+the process that starts the engine: its subjects are marked ``transformers_backend`` and run in a
+pytest process of their own (``-m transformers_backend``), GPT-J's in the other (``-m "not
+transformers_backend"``), as nox's family session runs them.
 """
 
 from vlenvoys import conformance
@@ -42,12 +44,16 @@ NEOX_LAYOUT = HFLayout(
     },
 )
 
+BACKEND = {"model_impl": "transformers"}
+
 MODELS = {
     # Parallel block, 8 of each head's 32 dimensions rotated (interleaved, GPT-J style).
     "GPTJForCausalLM": ("GPTJForCausalLM", {}, GPTJ_LAYOUT),
     # Pythia: parallel block, a quarter of each head rotated (rotate-half, NeoX style).
-    "GPTNeoXForCausalLM-parallel": ("GPTNeoXForCausalLM", {}, NEOX_LAYOUT),
-    "GPTNeoXForCausalLM-sequential": ("GPTNeoXForCausalLM", {"use_parallel_residual": False}, NEOX_LAYOUT),
+    # On vLLM's transformers backend (vlenvoys.load chooses it for GPT-NeoX by itself, see
+    # test_neox_runs_on_the_transformers_backend_by_itself; named here so that they are marked).
+    "GPTNeoXForCausalLM-parallel": ("GPTNeoXForCausalLM", {}, NEOX_LAYOUT, BACKEND),
+    "GPTNeoXForCausalLM-sequential": ("GPTNeoXForCausalLM", {"use_parallel_residual": False}, NEOX_LAYOUT, BACKEND),
 }
 
 subject = conformance.subject_fixture(MODELS)

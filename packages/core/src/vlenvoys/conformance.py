@@ -178,10 +178,20 @@ def subject_fixture(models: dict[str, tuple], layout: HFLayout = oracle.LLAMA_LA
     then also read on one rank first, for `test_tensor_parallel_matches_one_rank`;
     ``{"dtype": "bfloat16"}``: both engines run in bfloat16, against `BF16_TOLERANCE`).
     One engine runs at a time; pytest groups the tests by model. On a GPU, a
-    subject of more ranks than the machine has GPUs is skipped.
+    subject of more ranks than the machine has GPUs is skipped. A subject on
+    vLLM's transformers backend (``{"model_impl": "transformers"}``) is
+    marked ``transformers_backend``: the backend decorates transformers'
+    classes process-wide, so those subjects run in a pytest process of their
+    own (``-m transformers_backend``).
     """
 
-    @pytest.fixture(scope="session", params=list(models))
+    def param(name: str) -> object:
+        engine_kwargs = next((item for item in models[name][2:] if isinstance(item, dict)), {})
+        if engine_kwargs.get("model_impl") == "transformers":
+            return pytest.param(name, marks=pytest.mark.transformers_backend)
+        return name
+
+    @pytest.fixture(scope="session", params=[param(name) for name in models])
     def subject(request, tmp_path_factory):
         from transformers import AutoTokenizer
 

@@ -217,6 +217,23 @@ def load_reference(path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager").eval()
 
 
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` run as transformers runs it, though vLLM's transformers backend decorated its classes.
+
+    The backend marks the model's decoder class (``GPTNeoXModel``) for
+    vLLM's compiler, in every process that builds an engine of it (nnsight
+    builds one, weightless, in the client): the class's call then goes
+    through vLLM's compile wrapper, which an instance built before (or
+    outside an engine) is not set up for. Told ``do_not_compile``, as vLLM
+    tells the instances it runs uncompiled, the wrapper calls the class's
+    own forward.
+    """
+    for module in model.modules():
+        if any(base.__name__ == "TorchCompileWithNoGuardsWrapper" for base in type(module).__mro__):
+            module.do_not_compile = True
+    return model
+
+
 def _first(value: object) -> torch.Tensor:
     return value[0] if isinstance(value, (tuple, list)) else value
 
@@ -265,7 +282,7 @@ def reference(model: torch.nn.Module, input_ids: Sequence[int], layout: HFLayout
     _ACTIVE.append(recorder)
     try:
         with _recording_method(model, layout):
-            logits = model(torch.tensor([list(input_ids)])).logits[0, -1]
+            logits = _unwrapped(model)(torch.tensor([list(input_ids)])).logits[0, -1]
     finally:
         _ACTIVE.remove(recorder)
         for handle in handles:
@@ -323,7 +340,7 @@ def edited_logits(
         stack.enter_context(_recording_method(model, layout))
         _ACTIVE.append(recorder)
         try:
-            return model(torch.tensor([list(input_ids)])).logits[0, -1].detach().clone()
+            return _unwrapped(model)(torch.tensor([list(input_ids)])).logits[0, -1].detach().clone()
         finally:
             _ACTIVE.remove(recorder)
 
