@@ -207,14 +207,18 @@ def load_reference(path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
 
     A model whose attention does not take transformers' attention interface
     (GPT-J) is loaded with eager attention; its layout's ``attention_method``
-    records it.
+    records it. One loaded after an engine of its architecture started on
+    vLLM's transformers backend, in this process, is built as it runs: uncompiled.
     """
     from transformers import AutoModelForCausalLM
 
+    def build(attention: str) -> torch.nn.Module:
+        return built(lambda: AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention)).eval()
+
     try:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=register_attention()).eval()
+        return build(register_attention())
     except (ValueError, KeyError):
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager").eval()
+        return build("eager")
 
 
 def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
@@ -232,6 +236,43 @@ def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
         if any(base.__name__ == "TorchCompileWithNoGuardsWrapper" for base in type(module).__mro__):
             module.do_not_compile = True
     return model
+
+
+def built(make: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    """``make()``, a transformers model, built and run as transformers does even where vLLM's backend decorated its class.
+
+    After an engine of the architecture started on vLLM's transformers
+    backend in this process, the class's constructor asks for vLLM's config
+    (see `_unwrapped`). ``make`` is then called again with the decorated
+    classes' own constructors back for the while (vLLM's decorator keeps
+    each as ``old_init`` in the one it puts in its place); it must build the
+    same model when called twice.
+    """
+    try:
+        return make()
+    except AssertionError as error:
+        if "vLLM config is not set" not in str(error):
+            raise
+        failure = error
+    import inspect
+
+    from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
+
+    originals = {}
+    for cls in TorchCompileWithNoGuardsWrapper.__subclasses__():
+        if cls.__module__.startswith("transformers."):
+            original = inspect.getclosurevars(cls.__init__).nonlocals.get("old_init")
+            if original is not None:
+                originals[cls] = (cls.__init__, original)
+    if not originals:
+        raise failure
+    try:
+        for cls, (_, original) in originals.items():
+            cls.__init__ = original
+        return _unwrapped(make())
+    finally:
+        for cls, (decorated, _) in originals.items():
+            cls.__init__ = decorated
 
 
 def _first(value: object) -> torch.Tensor:

@@ -259,10 +259,15 @@ def _build(
             f"vocab_size {config.vocab_size} < {len(tokenizer)} tokenizer tokens"
         )
 
+    from .oracle import built
+
+    def make() -> Any:
+        torch.manual_seed(seed)
+        return model_cls(config)
+
     # A private RNG state keeps the caller's global torch RNG untouched.
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = model_cls(config).to(torch.float32)
+        model = built(make).to(torch.float32)
     model = model.to(getattr(torch, dtype))
 
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
