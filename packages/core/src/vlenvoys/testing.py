@@ -146,6 +146,16 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+def _gptj_unembedding_bias(model: Any) -> None:
+    # transformers initialises GPT-J's unembedding bias to zeros: drawn instead, so that a
+    # logit lens (project_on_vocab) that left it out would differ from the engine's logits.
+    torch.nn.init.normal_(model.lm_head.bias, std=1.0)
+
+
+#: Weights drawn after the model's own initialisation, per architecture.
+_AFTER_INIT = {"GPTJForCausalLM": _gptj_unembedding_bias}
+
+
 def architectures() -> tuple[str, ...]:
     """Return the architecture names :func:`tiny_model` accepts."""
     return tuple(_DEFAULTS)
@@ -263,7 +273,10 @@ def _build(
 
     def make() -> Any:
         torch.manual_seed(seed)
-        return model_cls(config)
+        model = model_cls(config)
+        with torch.no_grad():
+            _AFTER_INIT.get(architecture, lambda model: None)(model)
+        return model
 
     # A private RNG state keeps the caller's global torch RNG untouched.
     with torch.random.fork_rng(devices=[]):
