@@ -103,7 +103,7 @@ def test_a_family_package_that_fails_to_load_is_skipped_and_named(tmp_path, monk
     monkeypatch.setattr(family, "BROKEN", [])
     family._discover.cache_clear()
     try:
-        with pytest.warns(UserWarning, match="vlenvoys-broken.*failed to load and is skipped.*vlenvoys_no_such_module"):
+        with pytest.warns(UserWarning, match="failed to load and is skipped: vlenvoys-broken.*vlenvoys_no_such_module"):
             assert installed_names() == before
         with pytest.raises(vlenvoys.UnknownArchitecture, match="Failed to load \\(skipped\\): vlenvoys-broken"):
             resolve(["FalconForCausalLM"])

@@ -23,7 +23,7 @@ import pytest
 import torch
 import vlenvoys
 from vlenvoys import testing
-from vlenvoys.conformance import record
+from vlenvoys.conformance import TOLERANCE, record
 from vlenvoys.serving import anyio_classes_first
 
 anyio_classes_first()  # the openai client's anyio classes, defined under nnsight's .save mount otherwise
@@ -125,6 +125,23 @@ def generated(model, ids, steering=None) -> list[tuple[int, float]]:
     return [(token, step[token].logprob) for token, step in zip(done.token_ids, done.logprobs, strict=True)]
 
 
+def same_as_alone(got, want, what: str) -> bool:
+    """A request's tokens and log-probabilities served beside others against the same request alone.
+
+    Bit-identical on the CPU engine. vLLM's GPU kernels tile by the step's shape, so there the
+    log-probabilities are held to the oracle's float32 bound and the difference is recorded.
+    """
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu() or got == want:
+        return got == want
+    if [token for token, _ in got] != [token for token, _ in want]:
+        return False
+    difference = max(abs(a - b) / max(1.0, abs(b)) for (_, a), (_, b) in zip(got, want, strict=True))
+    record("LlamaForCausalLM (vlenvoys serve)", f"{what} (relative)", difference)
+    return difference <= TOLERANCE
+
+
 def assert_equal(got, want, what: str) -> None:
     """Same tokens, log-probabilities within float rounding (the largest difference is recorded under ``what``)."""
     assert [token for token, _ in got] == [token for token, _ in want], what
@@ -149,13 +166,14 @@ def test_a_plain_completion_is_plain_vllms(server, client, prompts):
                  kv_cache_memory_bytes=1 << 30, enable_prefix_caching=True)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=1)
-        outputs = engine.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts], params, use_tqdm=False)
+        # One request at a time, as `served` sends them: the steps then have the server's shapes.
+        outputs = [engine.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0] for ids in prompts]
     finally:
         engine.llm_engine.engine_core.shutdown()
     for ids, output in zip(prompts, outputs, strict=True):
         done = output.outputs[0]
         want = [(token, step[token].logprob) for token, step in zip(done.token_ids, done.logprobs, strict=True)]
-        assert served(client, server, ids) == want
+        assert same_as_alone(served(client, server, ids), want, "plain vs vLLM alone")
 
 
 @on_llama
@@ -257,7 +275,8 @@ def test_steered_and_plain_requests_in_the_same_steps_each_get_their_own(prompts
 
     alone, jobs, together = asyncio.run(scenario())
     for (ids, steer), got in zip(jobs, together, strict=True):
-        assert got == alone[tuple(ids), steer is None], ("plain" if steer is None else "steered", ids)
+        what = "plain" if steer is None else "steered"
+        assert same_as_alone(got, alone[tuple(ids), steer is None], f"{what} batched vs alone"), (what, ids)
     assert alone[tuple(prompts[0]), True] != alone[tuple(prompts[0]), False]
 
 

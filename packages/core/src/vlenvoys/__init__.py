@@ -19,17 +19,19 @@ from .envoys import (
     TransformersLayer,
     TransformersMlp,
 )
-from .errors import DECODE_STEP, GATED, PARALLEL, ROUTED, InvalidWrite, ReadOnly, SkipRefused, Unavailable, UnknownArchitecture
+from .errors import DECODE_STEP, FUSED_ROUTING, GATED, NOT_ROUTED, PARALLEL, ROUTED, InvalidWrite, ReadOnly, SkipRefused, Unavailable, UnknownArchitecture
 from .family import BACKBONE_NAMES, Architecture, ByConfig, Family, InstalledFamily, families
 from .steering import Steering, generate
 from .support import Support, support
-from .values import Derived, Flat, Heads, Neurons, Pattern, Residual, argument, batched, summed, summed_output, unbatched, with_argument
+from .values import Derived, Experts, Flat, Heads, Neurons, Pattern, Residual, Routes, argument, batched, summed, summed_output, unbatched, with_argument
 from .version import __version__
 
 __all__ = [
     "BACKBONE_NAMES",
     "DECODE_STEP",
+    "FUSED_ROUTING",
     "GATED",
+    "NOT_ROUTED",
     "PARALLEL",
     "ROUTED",
     "Architecture",
@@ -37,6 +39,7 @@ __all__ = [
     "ByConfig",
     "Family",
     "Derived",
+    "Experts",
     "Flat",
     "FusedLayer",
     "Heads",
@@ -49,6 +52,7 @@ __all__ = [
     "Pattern",
     "ReadOnly",
     "Residual",
+    "Routes",
     "SkipRefused",
     "StandardEnvoy",
     "StandardizedVLLM",

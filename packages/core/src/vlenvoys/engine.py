@@ -74,6 +74,7 @@ class StandardizedVLLM(VLLM):
 
         from .stepping import StandardLLMEngine
 
+        _spawn_where_the_driver_is_up()
         if self.cuda_graphs:
             # nnsight's own loader always runs eagerly (without taps): its hooks cannot fire in a replay.
             llm = LLM(repo_id, worker_cls=self._WORKER_CLS, enforce_eager=False, **kwargs)
@@ -673,6 +674,39 @@ def load(model: str | os.PathLike | None = None, *, cuda_graphs: bool = False, *
     loaded._built_keys = {}
     loaded._built_keys.update((envoy.path, frozenset(envoy.__dict__)) for envoy in loaded.modules())
     return loaded
+
+
+def _spawn_where_the_driver_is_up() -> None:
+    """Start the engine's process by spawning where this process has set up the CUDA driver behind torch's back.
+
+    vLLM forks its engine process unless ``torch.cuda`` is initialized here. A library
+    that calls the driver directly (a Triton kernel's launcher, a driver query) leaves
+    torch uninitialized but the driver set up, and the forked engine then fails with
+    "CUDA error: initialization error" or hangs: measured on an H200 with the tiny
+    Mixtral and Qwen2-MoE (vLLM 0.32). The driver holds ``/dev/nvidia-uvm`` open from
+    ``cuInit`` on (NVML, which vLLM's platform checks use, does not open it).
+    """
+    if os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") == "spawn" or not _holds("/dev/nvidia-uvm"):
+        return
+    warnings.warn(
+        "this process has set up the CUDA driver outside torch: vLLM's engine process is spawned, not forked "
+        "(VLLM_WORKER_MULTIPROC_METHOD=spawn); a script that starts an engine needs `if __name__ == '__main__':`",
+        stacklevel=3,
+    )
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+
+
+def _holds(device: str) -> bool:
+    """Whether this process has ``device`` open (Linux; False where /proc has no file descriptors)."""
+    try:
+        descriptors = os.listdir("/proc/self/fd")
+    except OSError:
+        return False
+    for descriptor in descriptors:
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/self/fd/{descriptor}") == device:
+                return True
+    return False
 
 
 def _graph_defaults(engine_kwargs: dict) -> None:

@@ -15,8 +15,8 @@ from nnsight.intervention.envoy import Envoy
 from nnsight.intervention.interleaver import Mediator
 
 from .attention import on_decode_step, scores
-from .errors import GATED, PARALLEL, ROUTED, InvalidWrite, SkipRefused
-from .values import Derived, Flat, Heads, Neurons, Pattern, Residual, Slot, summed, summed_output
+from .errors import FUSED_ROUTING, GATED, NOT_ROUTED, PARALLEL, ROUTED, InvalidWrite, SkipRefused
+from .values import Derived, Experts, Flat, Heads, Neurons, Pattern, Residual, Routes, Slot, summed, summed_output
 
 _PATTERN_READ_ONLY = (
     "vLLM's kernel computes the pattern and takes none; edit attention_queries or attention_keys "
@@ -374,13 +374,40 @@ class Mlp(Contributing):
     ``mlp_neurons`` is that kernel's output. A mixture of experts has neither
     (``ROUTED``); its ``mlp_output`` is served.
 
+    A mixture of experts serves its router's logits, ``mlp_router_logits``
+    (``[1, tokens, num_experts]``, before any softmax or top-k), read at the
+    router module's output; a write replaces what the routing uses. vLLM picks
+    each token's experts and their weights inside its FusedMoE layer, at no
+    module boundary, so ``mlp_router_experts`` and ``mlp_router_weights`` are
+    refused (``FUSED_ROUTING``) unless a family declares ``ROUTES``. A dense
+    MLP refuses all three (``NOT_ROUTED``).
+
     Declarations: ``KIND`` (``"plain"``, ``"gated"`` or ``"routed"``),
-    ``DOWN``, the down projection's child name, and ``CONTRIBUTION`` /
-    ``MULTIPLIER`` (see `Contributing`).
+    ``DOWN``, the down projection's child name, ``ROUTER``, the router's
+    child name (a linear layer returning ``(logits, bias)``), ``ROUTES``, the
+    location of a module returning ``(weights, expert ids)`` (None where there
+    is none), and ``CONTRIBUTION`` / ``MULTIPLIER`` (see `Contributing`).
     """
 
     KIND: ClassVar[str] = "gated"
     DOWN: ClassVar[str] = "down_proj"
+    ROUTER: ClassVar[str] = "gate"
+    ROUTES: ClassVar[str | None] = None
+
+    @Flat("{ROUTER}.output")
+    def mlp_router_logits(self, value) -> Experts:
+        """The router's logits, [1, tokens, num_experts]: before softmax and top-k; a write changes the routing."""
+        return value
+
+    @Flat("{ROUTES}", select=1)
+    def mlp_router_experts(self, value) -> Routes:
+        """The experts each token is sent to, [1, tokens, experts_per_token]: their indices."""
+        return value
+
+    @Flat("{ROUTES}", select=0)
+    def mlp_router_weights(self, value) -> Routes:
+        """The weights of each token's experts in its output, [1, tokens, experts_per_token]."""
+        return value
 
     @Flat("{DOWN}.input", select=(0, "input_"))
     def mlp_activation(self, value) -> Neurons:
@@ -394,6 +421,11 @@ class Mlp(Contributing):
 
     @classmethod
     def unavailable(cls, value: str) -> str | None:
+        if value.startswith("mlp_router_"):
+            if cls.KIND != "routed":
+                return NOT_ROUTED
+            if value != "mlp_router_logits" and cls.ROUTES is None:
+                return FUSED_ROUTING
         if cls.KIND == "routed" and value in ("mlp_activation", "mlp_neurons"):
             return ROUTED
         if cls.KIND == "gated" and value == "mlp_activation":

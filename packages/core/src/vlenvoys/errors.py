@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import builtins
 
-__all__ = ["DECODE_STEP", "GATED", "PARALLEL", "ROUTED", "InvalidWrite", "ReadOnly", "SkipRefused", "UnknownArchitecture", "Unavailable"]
+__all__ = ["DECODE_STEP", "FUSED_ROUTING", "GATED", "NOT_ROUTED", "PARALLEL", "ROUTED", "InvalidWrite", "ReadOnly", "SkipRefused", "UnknownArchitecture", "Unavailable"]
 
 #: Scores and patterns are recomputed from one step's queries and keys; on a decode step the
 #: earlier keys are in vLLM's KV cache, which only its kernel reads.
@@ -22,7 +22,19 @@ ROUTED = (
     "this MLP routes each token to experts, which have no shared neurons; read mlp_output "
     "(the MLP's contribution) instead"
 )
-
+#: A dense MLP sends every token through the same neurons: there is no router.
+NOT_ROUTED = (
+    "this MLP is dense: every token goes through the same neurons, so there is no router, "
+    "no experts and no routing weights; router values exist on a mixture of experts only"
+)
+#: vLLM chooses a token's experts and their weights inside its FusedMoE layer (a plain-torch
+#: router object on the CPU, a fused top-k/softmax kernel on a GPU), at no module boundary.
+FUSED_ROUTING = (
+    "vLLM chooses each token's experts and their weights inside its FusedMoE layer, at no "
+    "module boundary (a fused top-k kernel on a GPU), so neither is ever a value to read or "
+    "edit; read mlp_router_logits, the router's output they are computed from (a softmax "
+    "and top-k of it), and edit it to change the routing"
+)
 #: A parallel block (GPT-J, Pythia) adds the attention and the MLP to the same input: no stream lies between them.
 PARALLEL = (
     "this block is parallel: its attention and its MLP both read the block's input and their outputs are "
@@ -99,8 +111,8 @@ OTHER_DEVICE = (
 FORWARD_ORDER = (
     "Read and write values in the order the model computes them: token_embeddings, then block 0, 1, ...; "
     "within a block layer_input, attention_norm_output, the attention's queries, keys, values, scores, "
-    "probabilities, head outputs, premix and attention_output, then layer_mid, mlp_norm_output, mlp_neurons, "
-    "mlp_output, layer_output; logits last. Patch between prompts with two traces (read, then write)."
+    "probabilities, head outputs, premix and attention_output, then layer_mid, mlp_norm_output, mlp_router_logits, "
+    "mlp_neurons, mlp_output, layer_output; logits last. Patch between prompts with two traces (read, then write)."
 )
 
 

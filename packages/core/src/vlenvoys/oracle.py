@@ -32,6 +32,7 @@ VALUES = (
     ("self_attn", "attention_output"),
     ("layer", "layer_mid"),
     ("layer", "mlp_norm_output"),
+    ("mlp", "mlp_router_logits"),
     ("mlp", "mlp_activation"),
     ("mlp", "mlp_neurons"),
     ("mlp", "mlp_output"),
@@ -87,6 +88,9 @@ class HFLayout:
             "layer_output": ("", "output"),
             "attention_premix": ("self_attn.o_proj", "input"),
             "mlp_neurons": ("mlp.down_proj", "input"),
+            # A mixture of experts' router (transformers' TopKRouter returns (logits, weights, experts));
+            # a dense MLP has no `gate` child and leaves it unread.
+            "mlp_router_logits": ("mlp.gate", "output"),
         }
     )
     multipliers: dict[str, str] = field(default_factory=dict)
@@ -333,6 +337,11 @@ def reference(model: torch.nn.Module, input_ids: Sequence[int], layout: HFLayout
             values[name] = [by_layer[layer] for layer in sorted(by_layer)]
     for name in layout.multipliers:
         values[name] = [value * layout.multiplier(model, name) for value in values[name]]
+    if "mlp_router_logits" in values:
+        # transformers' router flattens the tokens: [tokens, experts] -> [1, tokens, experts].
+        values["mlp_router_logits"] = [
+            None if logits is None else logits.reshape(1, -1, logits.shape[-1]) for logits in values["mlp_router_logits"]
+        ]
     if "attention_premix" in values and "attention_head_outputs" in values:
         # The output projection's input, split into heads as the head outputs are.
         values["attention_premix"] = [
@@ -358,6 +367,52 @@ def _hooked(module: torch.nn.Module, side: str, edit: Callable[[torch.Tensor], t
         handle.remove()
 
 
+class _EditedLinear:
+    """``torch.nn.functional`` as a router's module sees it, with its logits edited.
+
+    transformers' routers compute the logits, their softmax and the top-k in
+    one forward (``F.linear`` then ``softmax`` and ``topk``); an edit of the
+    logits must reach the top-k, so the linear of the router's own weight is
+    edited where it is computed and transformers' own routing runs on it.
+    """
+
+    def __init__(self, functional: object, weight: torch.Tensor, edit: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self._functional, self._weight, self._edit = functional, weight, edit
+
+    def linear(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        logits = self._functional.linear(input, weight, bias)
+        if weight is not self._weight:
+            return logits
+        # [tokens, experts] there, [1, tokens, experts] for the edit, as vlenvoys serves it.
+        return self._edit(logits.reshape(1, -1, logits.shape[-1])).reshape(logits.shape)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._functional, name)
+
+
+@contextlib.contextmanager
+def _rerouted(router: torch.nn.Module, edit: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
+    """Edit ``router``'s logits (``[1, tokens, experts]``) before its own softmax and top-k use them."""
+    import sys
+
+    home = sys.modules[type(router).__module__]
+    functional = home.F
+    original = router.forward
+
+    def forward(*args, **kwargs):
+        home.F = _EditedLinear(functional, router.weight, edit)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            home.F = functional
+
+    router.forward = forward
+    try:
+        yield
+    finally:
+        del router.forward
+
+
 @torch.no_grad()
 def edited_logits(
     model: torch.nn.Module,
@@ -365,6 +420,7 @@ def edited_logits(
     edits: Sequence[tuple[int, str, str, Callable[[torch.Tensor], torch.Tensor]]] = (),
     layout: HFLayout = LLAMA_LAYOUT,
     key_edits: dict[int, Callable[[torch.Tensor], torch.Tensor]] | None = None,
+    router_edits: dict[int, Callable[[torch.Tensor], torch.Tensor]] | None = None,
 ) -> torch.Tensor:
     """The last token's logits ``[vocab]`` with edits applied on transformers.
 
@@ -372,10 +428,15 @@ def edited_logits(
     ``fn`` maps the ``[1, tokens, ...]`` tensor there to its replacement.
     ``key_edits`` maps a block index to a function of its keys as the
     attention function receives them (``[1, kv_heads, tokens, head_dim]``,
-    rotated), on a model from `load_reference`.
+    rotated), on a model from `load_reference`. ``router_edits`` maps a
+    block index to a function of its router's logits (``[1, tokens,
+    experts]``), applied before the router's softmax and top-k, so that it
+    changes the routing.
     """
     recorder = _Recorder(key_edits)
     with contextlib.ExitStack() as stack:
+        for index, fn in (router_edits or {}).items():
+            stack.enter_context(_rerouted(_module(layout.blocks(model)[index], layout.places["mlp_router_logits"][0]), fn))
         for index, child, side, fn in edits:
             stack.enter_context(_hooked(_module(layout.blocks(model)[index], child), side, fn))
         stack.enter_context(_recording_method(model, layout))

@@ -15,10 +15,13 @@ __all__ = ["Support", "Row", "support"]
 
 
 #: Layout names (a value's annotation) as shapes: T tokens, H hidden, I intermediate,
-#: n query heads, k key/value heads, d head width.
-SHAPES = {"Residual": "[1, T, H]", "Heads": "[1, T, n|k, d]", "Neurons": "[1, T, I]", "Pattern": "[1, n, T, T]"}
+#: n query heads, k key/value heads, d head width, E experts, K experts per token.
+SHAPES = {
+    "Residual": "[1, T, H]", "Heads": "[1, T, n|k, d]", "Neurons": "[1, T, I]", "Pattern": "[1, n, T, T]",
+    "Experts": "[1, T, E]", "Routes": "[1, T, K]",
+}
 #: Named reasons by their text, for the `code` column.
-CODES = {getattr(errors, name): name for name in ("DECODE_STEP", "GATED", "ROUTED")}
+CODES = {getattr(errors, name): name for name in ("DECODE_STEP", "GATED", "ROUTED", "NOT_ROUTED", "FUSED_ROUTING")}
 
 
 @dataclass(frozen=True)

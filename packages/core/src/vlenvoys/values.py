@@ -24,12 +24,14 @@ from .errors import InvalidWrite, ReadOnly, Unavailable
 __all__ = [
     "Checked",
     "Derived",
+    "Experts",
     "Flat",
     "Heads",
     "Located",
     "Neurons",
     "Pattern",
     "Residual",
+    "Routes",
     "argument",
     "batched",
     "edited",
@@ -49,6 +51,10 @@ Heads = NewType("Heads", torch.Tensor)
 Neurons = NewType("Neurons", torch.Tensor)
 #: ``[1, heads, query, key]``: one score or weight per head, query token and key token.
 Pattern = NewType("Pattern", torch.Tensor)
+#: ``[1, tokens, num_experts]``: one entry per expert of a mixture of experts (the router's logits).
+Experts = NewType("Experts", torch.Tensor)
+#: ``[1, tokens, experts_per_token]``: a token's chosen experts, or their weights.
+Routes = NewType("Routes", torch.Tensor)
 
 #: Where an argument sits in a call: ``(position, keyword)``.
 Slot = tuple[int, str]

@@ -29,7 +29,11 @@ class LlamaLayer(FusedLayer):
 
 
 class RoutedMlp(Mlp):
-    """A mixture of experts (Qwen2-MoE's sparse block, Mixtral's): no neurons shared by a token's experts."""
+    """A mixture of experts (Qwen2-MoE's sparse block, Mixtral's): no neurons shared by a token's experts.
+
+    Its router is the ``gate`` child on all three (Qwen3-MoE's FusedMoE layer calls it
+    itself), so ``mlp_router_logits`` is served from core's default ``ROUTER``.
+    """
 
     KIND = "routed"
 
