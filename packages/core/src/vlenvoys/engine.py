@@ -61,6 +61,7 @@ class StandardizedVLLM(VLLM):
     def _load(self, repo_id: str, **kwargs: Any) -> Any:
         # nnsight's own worker refuses vLLM's CPU runner; pick ours by platform.
         self._WORKER_CLS = worker_class()
+        _spawn_on_a_gpu()
         return super()._load(repo_id, **kwargs)
 
     #: Set by `load`: each envoy's attribute names when the model was handed over (none: nothing travels by path).
@@ -74,7 +75,6 @@ class StandardizedVLLM(VLLM):
 
         from .stepping import StandardLLMEngine
 
-        _spawn_where_the_driver_is_up()
         if self.cuda_graphs:
             # nnsight's own loader always runs eagerly (without taps): its hooks cannot fire in a replay.
             llm = LLM(repo_id, worker_cls=self._WORKER_CLS, enforce_eager=False, **kwargs)
@@ -676,37 +676,21 @@ def load(model: str | os.PathLike | None = None, *, cuda_graphs: bool = False, *
     return loaded
 
 
-def _spawn_where_the_driver_is_up() -> None:
-    """Start the engine's process by spawning where this process has set up the CUDA driver behind torch's back.
+def _spawn_on_a_gpu() -> None:
+    """Start a GPU engine's process by spawning it, as vLLM's CPU engine does, unless the user chose a method.
 
-    vLLM forks its engine process unless ``torch.cuda`` is initialized here. A library
-    that calls the driver directly (a Triton kernel's launcher, a driver query) leaves
-    torch uninitialized but the driver set up, and the forked engine then fails with
-    "CUDA error: initialization error" or hangs: measured on an H200 with the tiny
-    Mixtral and Qwen2-MoE (vLLM 0.32). The driver holds ``/dev/nvidia-uvm`` open from
-    ``cuInit`` on (NVML, which vLLM's platform checks use, does not open it).
+    vLLM forks its engine process unless ``torch.cuda`` is initialized here. On an
+    H200 (vLLM 0.32) the tiny Mixtral and Qwen2-MoE engines then failed to start,
+    forked: "CUDA error: initialization error", or a hang, while every other
+    family's started; the client already held the driver open (``/dev/nvidia-uvm``)
+    from its imports on, in every case, so no check here can tell when a fork is safe.
+    Spawned, every family's engine started and passed its suite. A script that
+    starts an engine needs ``if __name__ == "__main__":`` either way.
     """
-    if os.environ.get("VLLM_WORKER_MULTIPROC_METHOD") == "spawn" or not _holds("/dev/nvidia-uvm"):
-        return
-    warnings.warn(
-        "this process has set up the CUDA driver outside torch: vLLM's engine process is spawned, not forked "
-        "(VLLM_WORKER_MULTIPROC_METHOD=spawn); a script that starts an engine needs `if __name__ == '__main__':`",
-        stacklevel=3,
-    )
-    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    from vllm.platforms import current_platform
 
-
-def _holds(device: str) -> bool:
-    """Whether this process has ``device`` open (Linux; False where /proc has no file descriptors)."""
-    try:
-        descriptors = os.listdir("/proc/self/fd")
-    except OSError:
-        return False
-    for descriptor in descriptors:
-        with contextlib.suppress(OSError):
-            if os.readlink(f"/proc/self/fd/{descriptor}") == device:
-                return True
-    return False
+    if current_platform.is_cuda_alike():
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
 
 def _graph_defaults(engine_kwargs: dict) -> None:
