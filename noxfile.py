@@ -14,7 +14,7 @@ import nox
 nox.options.sessions = ["core", "family", "nnterp", "docs"]
 nox.options.default_venv_backend = "venv"  # pip: its configuration is what finds the CPU torch wheel
 
-FAMILIES = ["llama", "gpt2", "gemma", "exaone"]
+FAMILIES = ["llama", "gpt2", "gemma", "exaone", "neox"]
 ENGINE = os.environ.get("VLENVOYS_ENGINE", "cpu")
 # CI has no hub access; tests build their models locally.
 ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}

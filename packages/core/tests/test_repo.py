@@ -7,7 +7,7 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
-PACKAGES = ["core", "family-llama", "family-gpt2", "family-gemma", "family-exaone"]
+PACKAGES = ["core", "family-llama", "family-gpt2", "family-gemma", "family-exaone", "family-neox"]
 
 
 def readme_commands() -> list[str]:

@@ -13,13 +13,14 @@ from .envoys import (
     FusedLayer,
     Layer,
     Mlp,
+    ParallelLayer,
     StandardEnvoy,
     TransformersAttention,
     TransformersLayer,
     TransformersMlp,
 )
-from .errors import DECODE_STEP, FUSED_ROUTING, GATED, NOT_ROUTED, ROUTED, InvalidWrite, ReadOnly, SkipRefused, Unavailable, UnknownArchitecture
-from .family import BACKBONE_NAMES, Architecture, Family, InstalledFamily, families
+from .errors import DECODE_STEP, FUSED_ROUTING, GATED, NOT_ROUTED, PARALLEL, ROUTED, InvalidWrite, ReadOnly, SkipRefused, Unavailable, UnknownArchitecture
+from .family import BACKBONE_NAMES, Architecture, ByConfig, Family, InstalledFamily, families
 from .steering import Steering, generate
 from .support import Support, support
 from .values import Derived, Experts, Flat, Heads, Neurons, Pattern, Residual, Routes, argument, batched, summed, summed_output, unbatched, with_argument
@@ -31,9 +32,11 @@ __all__ = [
     "FUSED_ROUTING",
     "GATED",
     "NOT_ROUTED",
+    "PARALLEL",
     "ROUTED",
     "Architecture",
     "Attention",
+    "ByConfig",
     "Family",
     "Derived",
     "Experts",
@@ -45,6 +48,7 @@ __all__ = [
     "Layer",
     "Mlp",
     "Neurons",
+    "ParallelLayer",
     "Pattern",
     "ReadOnly",
     "Residual",

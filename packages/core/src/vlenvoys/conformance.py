@@ -154,6 +154,11 @@ class Subject:
         return getattr(config, "sliding_window", None)
 
     @property
+    def parallel(self) -> bool:
+        """Whether the blocks are parallel (``Layer.PARALLEL``): no stream between attention and MLP."""
+        return bool(self.model.architecture.layer.PARALLEL)
+
+    @property
     def mlp_kind(self) -> str:
         return self.model.architecture.mlp.KIND
 
@@ -192,10 +197,20 @@ def subject_fixture(models: dict[str, tuple], layout: HFLayout = oracle.LLAMA_LA
     then also read on one rank first, for `test_tensor_parallel_matches_one_rank`;
     ``{"dtype": "bfloat16"}``: both engines run in bfloat16, against `BF16_TOLERANCE`).
     One engine runs at a time; pytest groups the tests by model. On a GPU, a
-    subject of more ranks than the machine has GPUs is skipped.
+    subject of more ranks than the machine has GPUs is skipped. A subject on
+    vLLM's transformers backend (``{"model_impl": "transformers"}``) is
+    marked ``transformers_backend``: the backend decorates transformers'
+    classes process-wide, so those subjects run in a pytest process of their
+    own (``-m transformers_backend``).
     """
 
-    @pytest.fixture(scope="session", params=list(models))
+    def param(name: str) -> object:
+        engine_kwargs = next((item for item in models[name][2:] if isinstance(item, dict)), {})
+        if engine_kwargs.get("model_impl") == "transformers":
+            return pytest.param(name, marks=pytest.mark.transformers_backend)
+        return name
+
+    @pytest.fixture(scope="session", params=[param(name) for name in models])
     def subject(request, tmp_path_factory):
         from transformers import AutoTokenizer
 
@@ -397,7 +412,14 @@ def test_tensor_parallel_matches_one_rank(subject):
 
 
 def test_stream_identities(subject):
-    """layer_input + attention_output == layer_mid and layer_mid + mlp_output == layer_output."""
+    """layer_input + attention_output == layer_mid and layer_mid + mlp_output == layer_output.
+
+    A parallel block (``Layer.PARALLEL``) adds both to its input at once:
+    layer_input + attention_output + mlp_output == layer_output, and its
+    layer_mid is refused by name (`vlenvoys.PARALLEL`).
+    """
+    if subject.parallel:
+        return parallel_identity(subject)
     model = subject.model
     with model.trace(subject.prompts[-1], temperature=0.0):
         parts = list().save()
@@ -415,6 +437,34 @@ def test_stream_identities(subject):
     for entering, attention, mid, mlp, leaving in parts:
         assert (entering + attention - mid).abs().max() <= bound * max(1.0, mid.abs().max().item())
         assert (mid + mlp - leaving).abs().max() <= bound * max(1.0, leaving.abs().max().item())
+
+
+def parallel_identity(subject) -> None:
+    """A parallel block: layer_input + attention_output + mlp_output == layer_output; layer_mid refused (PARALLEL)."""
+    model = subject.model
+    with model.trace(subject.prompts[-1], temperature=0.0):
+        parts = list().save()
+        for layer in model.layers:
+            parts.append(
+                (
+                    layer.layer_input.save(),
+                    layer.self_attn.attention_output.save(),
+                    layer.mlp.mlp_output.save(),
+                    layer.layer_output.save(),
+                )
+            )
+    bound = subject.identity_tolerance
+    for entering, attention, mlp, leaving in parts:
+        # Two roundings of the sums (the block adds three terms), in either order.
+        assert (entering + attention + mlp - leaving).abs().max() <= 2 * bound * max(1.0, leaving.abs().max().item())
+        # A sequential reading would miss the MLP's part: the identity tells the two apart.
+        assert (entering + attention - leaving).abs().max() > 2 * bound * max(1.0, leaving.abs().max().item())
+    with pytest.raises(vlenvoys.Unavailable) as raised:
+        logits_of(model, subject.prompts[0], lambda m: m.layers[0].layer_mid.save())
+    assert raised.value.reason == vlenvoys.PARALLEL
+    assert raised.value.value == "layer_mid"
+    assert not vlenvoys.support(model)["layer", "layer_mid"].available
+    assert vlenvoys.support(model)["layer", "layer_mid"].note == vlenvoys.PARALLEL
 
 
 def test_saved_values_are_private_copies(subject):
@@ -459,12 +509,16 @@ def steering_vector(subject) -> torch.Tensor:
 
 
 def test_add_to_layer_mid_in_place(subject):
-    """Add a vector at one position of layer 1's mid stream, in place."""
+    """Add a vector at one position of layer 1's mid stream, in place.
+
+    A parallel block has no mid stream: the vector is added to the
+    attention's contribution, which is what an add after the attention is there.
+    """
     prompt, vector = subject.prompts[2], steering_vector(subject)
     position = len(prompt) - 2  # inside every sliding window of the last token
 
     def edit(model):
-        mid = model.layers[1].layer_mid
+        mid = model.layers[1].self_attn.attention_output if subject.parallel else model.layers[1].layer_mid
         mid[:, position] += vector.to(mid.device, mid.dtype)  # in place: torch wants one device
 
     def on_reference(output):
@@ -475,7 +529,8 @@ def test_add_to_layer_mid_in_place(subject):
     # On transformers the mid stream is the block input plus the attention
     # output, so adding to the attention output adds to it.
     want = subject.edited(prompt, [(1, subject.place("attention_output"), "output", on_reference)])
-    check_edit(subject, "layer_mid += v", logits_of(subject.model, prompt, edit), want, logits_of(subject.model, prompt))
+    label = "attention_output += v (parallel)" if subject.parallel else "layer_mid += v"
+    check_edit(subject, label, logits_of(subject.model, prompt, edit), want, logits_of(subject.model, prompt))
 
 
 def test_zero_mlp_output(subject):
@@ -690,7 +745,10 @@ def test_wrong_dtype_is_refused(subject):
     prompt = subject.prompts[1]
 
     def edit(model):
-        model.layers[0].layer_mid = model.layers[0].layer_mid.double()
+        if subject.parallel:  # no layer_mid (PARALLEL)
+            model.layers[0].layer_output = model.layers[0].layer_output.double()
+        else:
+            model.layers[0].layer_mid = model.layers[0].layer_mid.double()
 
     with pytest.raises(vlenvoys.InvalidWrite, match="dtype"):
         logits_of(subject.model, prompt, edit)

@@ -16,12 +16,12 @@ from nnsight.modeling.vllm import VLLM
 from nnsight.modeling.vllm.envoys import parallel_envoys
 
 from .envoys import block_index
-from .errors import InvalidWrite, reraise
+from .errors import InvalidWrite, UnknownArchitecture, reraise
 from .family import Architecture, InstalledFamily, resolve
 from .parallel import gather_vocab
 from .values import Checked, Derived, Residual, argument
 
-__all__ = ["StandardizedVLLM", "load", "on_transformers_backend"]
+__all__ = ["StandardizedVLLM", "load", "on_transformers_backend", "resolve_checkpoint"]
 
 #: KV-cache size the CPU engine reserves unless told otherwise: vLLM's default
 #: fraction of a NUMA node is more than a small machine has free.
@@ -360,7 +360,7 @@ class StandardizedVLLM(VLLM):
 
         Applies what the model applies after its last block: the final norm,
         the unembedding matrix (``lm_head``, the embedding matrix where the two
-        are one module), and the logits processor's scale and soft cap
+        are one module) and its bias where it has one (GPT-J), and the logits processor's scale and soft cap
         (Gemma 2's final soft cap, Granite's logits scaling). Works inside a
         trace, where vLLM's LM head cannot be called as a module, and under
         tensor parallelism (every rank's vocabulary slice gathered).
@@ -374,8 +374,12 @@ class StandardizedVLLM(VLLM):
         normed = self.ln_final(hidden.reshape(-1, shape[-1]))
         if isinstance(normed, tuple):
             normed = normed[0]
-        # Under tensor parallelism each rank holds a slice of the vocabulary's rows.
-        logits = gather_vocab(normed @ self.lm_head.weight.T, self.vocab_size)
+        # Under tensor parallelism each rank holds a slice of the vocabulary's rows (and of a bias).
+        logits = normed @ self.lm_head.weight.T
+        bias = getattr(self.lm_head, "bias", None)
+        if isinstance(bias, torch.Tensor):  # GPT-J's unembedding has one, which vLLM adds with the logits processor
+            logits = logits + bias
+        logits = gather_vocab(logits, self.vocab_size)
         # In vLLM's LogitsProcessor order: soft cap, then scale.
         processor = getattr(self._module, "logits_processor", None)
         cap = getattr(processor, "soft_cap", None)
@@ -570,6 +574,46 @@ def architectures_of(model: str | os.PathLike) -> list[str]:
     return list(AutoConfig.from_pretrained(str(model)).architectures or [])
 
 
+def config_of(model: str | os.PathLike) -> Any:
+    """A checkpoint's config: its ``config.json`` as a dict, or the hub's transformers config."""
+    config = Path(model).expanduser() / "config.json"
+    if config.is_file():
+        return json.loads(config.read_text())
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(model))
+
+
+def resolve_checkpoint(model: str | os.PathLike, engine_kwargs: dict) -> tuple[InstalledFamily, str, Architecture]:
+    """The family and declarations that serve checkpoint ``model`` with ``engine_kwargs``.
+
+    An architecture vLLM has no implementation of (GPT-NeoX on vLLM 0.32),
+    which a family declares on vLLM's transformers backend alone, runs
+    there: ``model_impl="transformers"`` is set in ``engine_kwargs``, as
+    vLLM itself would fall back to it. Declarations `ByConfig` are chosen by
+    the checkpoint's config.
+
+    Raises:
+        UnknownArchitecture: no installed family declares the architecture
+            (with the message of vLLM's own implementation).
+    """
+    architectures, config = architectures_of(model), config_of(model)
+    impl = engine_kwargs.get("model_impl")
+    try:
+        return resolve(architectures, backend=impl == "transformers", config=config)
+    except UnknownArchitecture:
+        if impl not in (None, "auto"):
+            raise
+        try:
+            found = resolve(architectures, backend=True, config=config)
+        except UnknownArchitecture:
+            pass
+        else:
+            engine_kwargs["model_impl"] = "transformers"
+            return found
+        raise
+
+
 def load(model: str | os.PathLike | None = None, *, cuda_graphs: bool = False, **engine_kwargs: Any) -> StandardizedVLLM:
     """Start vLLM on ``model`` and return it ready to trace with the standard values.
 
@@ -616,9 +660,7 @@ def load(model: str | os.PathLike | None = None, *, cuda_graphs: bool = False, *
 
         model = smollm2_path()
     model = str(model)
-    installed, name, architecture = resolve(
-        architectures_of(model), backend=engine_kwargs.get("model_impl") == "transformers"
-    )
+    installed, name, architecture = resolve_checkpoint(model, engine_kwargs)
     _engine_defaults(model, engine_kwargs)
     # On, as on stock vLLM: plain requests share cached prefixes; traced, collected and steered
     # requests carry cache salts of their own (`salted`), so none of them reads or leaves one.

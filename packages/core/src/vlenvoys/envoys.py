@@ -15,7 +15,7 @@ from nnsight.intervention.envoy import Envoy
 from nnsight.intervention.interleaver import Mediator
 
 from .attention import on_decode_step, scores
-from .errors import FUSED_ROUTING, GATED, NOT_ROUTED, ROUTED, InvalidWrite, SkipRefused
+from .errors import FUSED_ROUTING, GATED, NOT_ROUTED, PARALLEL, ROUTED, InvalidWrite, SkipRefused
 from .values import Derived, Experts, Flat, Heads, Neurons, Pattern, Residual, Routes, Slot, summed, summed_output
 
 _PATTERN_READ_ONLY = (
@@ -30,6 +30,7 @@ __all__ = [
     "FusedLayer",
     "Layer",
     "Mlp",
+    "ParallelLayer",
     "StandardEnvoy",
     "TransformersAttention",
     "TransformersLayer",
@@ -109,6 +110,11 @@ class Layer(StandardEnvoy):
     - ``MID`` / ``MID_SELECT``: where the stream after the attention add is
       held, as a location key and a selection (None where the block holds it
       in no tensor of its own).
+    - ``PARALLEL``: whether the attention and the MLP both read the block's
+      input and are added to it together (GPT-J, Pythia; see
+      `ParallelLayer`): ``layer_mid`` is then unavailable (`PARALLEL`) and
+      the block's identity is ``layer_input + attention_output + mlp_output
+      == layer_output``.
     """
 
     STREAM: ClassVar[Slot] = (1, "hidden_states")
@@ -118,6 +124,7 @@ class Layer(StandardEnvoy):
     MLP_NORM: ClassVar[str] = "post_attention_layernorm"
     MID: ClassVar[str | None] = None
     MID_SELECT: ClassVar[Slot | int | None] = None
+    PARALLEL: ClassVar[bool] = False
 
     @Flat("input", select="STREAM")
     def layer_input(self, value) -> Residual:
@@ -146,6 +153,8 @@ class Layer(StandardEnvoy):
 
     @classmethod
     def unavailable(cls, value: str) -> str | None:
+        if value == "layer_mid" and cls.PARALLEL:
+            return PARALLEL
         if value == "layer_mid" and cls.MID is None:
             return (
                 f"{cls.__name__} declares no place where the stream after the attention add "
@@ -189,6 +198,27 @@ def _skip(layer: Layer, hidden: torch.Tensor, output: Callable[[torch.Tensor], A
         shape = list(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
         raise InvalidWrite(f"skip: expected the stream as [1, {rows}, hidden_size], got {shape}")
     Envoy.skip(layer, output(hidden if layer.BATCHED else hidden[0]))
+
+
+class ParallelLayer(Layer):
+    """A parallel block: attention and MLP read the same input and their outputs are added to it together.
+
+    ``layer_output = layer_input + attention_output + mlp_output`` (GPT-J,
+    Pythia's GPT-NeoX, Cohere): no stream lies between the two sublayers, so
+    ``layer_mid`` is unavailable (`vlenvoys.PARALLEL`). ``mlp_norm_output``
+    is read where the MLP is called (``MLP``: its child name), the first
+    argument of that call: a block with one norm for both sublayers (GPT-J's
+    ``ln_1``) computes it before the attention, and the MLP's input is the
+    one place it is seen after the attention's values, in forward order.
+    """
+
+    PARALLEL = True
+    MLP: ClassVar[str] = "mlp"
+
+    @Flat("{MLP}.input", select=(0, "hidden_states"))
+    def mlp_norm_output(self, value) -> Residual:
+        """The MLP's input after its norm, [1, tokens, hidden_size]: the MLP's call's first argument."""
+        return value
 
 
 class FusedLayer(Layer):

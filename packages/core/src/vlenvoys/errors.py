@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import builtins
 
-__all__ = ["DECODE_STEP", "FUSED_ROUTING", "GATED", "NOT_ROUTED", "ROUTED", "InvalidWrite", "ReadOnly", "SkipRefused", "UnknownArchitecture", "Unavailable"]
+__all__ = ["DECODE_STEP", "FUSED_ROUTING", "GATED", "NOT_ROUTED", "PARALLEL", "ROUTED", "InvalidWrite", "ReadOnly", "SkipRefused", "UnknownArchitecture", "Unavailable"]
 
 #: Scores and patterns are recomputed from one step's queries and keys; on a decode step the
 #: earlier keys are in vLLM's KV cache, which only its kernel reads.
@@ -35,6 +35,12 @@ FUSED_ROUTING = (
     "edit; read mlp_router_logits, the router's output they are computed from (a softmax "
     "and top-k of it), and edit it to change the routing"
 )
+#: A parallel block (GPT-J, Pythia) adds the attention and the MLP to the same input: no stream lies between them.
+PARALLEL = (
+    "this block is parallel: its attention and its MLP both read the block's input and their outputs are "
+    "added to it together, so no stream exists between them; read layer_input + attention_output, or "
+    "layer_output (= layer_input + attention_output + mlp_output)"
+)
 
 
 class Unavailable(Exception):
@@ -43,7 +49,7 @@ class Unavailable(Exception):
     Not an AttributeError on purpose: a property that raises one falls
     through to the envoy's ``__getattr__``, which would blame the attribute
     instead of giving the reason. ``reason`` is one of the module constants (`DECODE_STEP`, `GATED`,
-    `ROUTED`) or a reason a family declares; ``value`` names the value and
+    `ROUTED`, `PARALLEL`) or a reason a family declares; ``value`` names the value and
     ``where`` the envoy class that was asked.
     """
 

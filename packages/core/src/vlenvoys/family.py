@@ -14,11 +14,12 @@ import importlib.metadata
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from .envoys import Attention, Blocks, Layer, Mlp
 from .errors import UnknownArchitecture
 
-__all__ = ["BACKBONE_NAMES", "Architecture", "Family", "InstalledFamily", "families", "resolve"]
+__all__ = ["BACKBONE_NAMES", "Architecture", "ByConfig", "Family", "InstalledFamily", "families", "resolve"]
 
 GROUP = "vlenvoys.families"
 
@@ -32,6 +33,7 @@ PUBLISHED = {
     "vlenvoys-gpt2": ("GPT2LMHeadModel",),
     "vlenvoys-gemma": ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"),
     "vlenvoys-exaone": ("Exaone4ForCausalLM", "ExaoneForCausalLM"),
+    "vlenvoys-neox": ("GPTNeoXForCausalLM", "GPTJForCausalLM"),
 }
 
 
@@ -70,6 +72,50 @@ class Architecture:
         }
 
 
+_UNSET: Any = object()
+
+
+@dataclass(frozen=True, eq=False)
+class ByConfig:
+    """Declarations of one architecture chosen by a setting of the model's config.
+
+    Where one architecture builds different blocks by a config attribute
+    (GPT-NeoX's ``use_parallel_residual``: parallel or sequential), a family
+    maps the attribute's values to their declarations; core chooses when the
+    model loads, in the client and in every worker, from the checkpoint's
+    config.
+
+    Attributes:
+        attribute: The config attribute (``"use_parallel_residual"``).
+        choices: Its values to the `Architecture` each gets.
+        default: The value a config without the attribute has (the
+            transformers config class's default); unset, such a config is refused.
+    """
+
+    attribute: str
+    choices: Mapping[Any, Architecture]
+    default: Any = _UNSET
+
+    def choose(self, config: Any) -> Architecture:
+        """The declarations for ``config`` (a transformers config, or a ``config.json`` as a dict).
+
+        Raises:
+            UnknownArchitecture: the config's value has no declarations (or it
+                names none and there is no default).
+        """
+        if isinstance(config, Mapping):
+            value = config.get(self.attribute, self.default)
+        else:
+            value = getattr(config, self.attribute, self.default)
+        if value is _UNSET or value not in self.choices:
+            shown = "no value" if value is _UNSET else repr(value)
+            raise UnknownArchitecture(
+                f"the config's {self.attribute} has {shown}; the family declares "
+                f"{', '.join(repr(choice) for choice in self.choices)}"
+            )
+        return self.choices[value]
+
+
 @dataclass(frozen=True, eq=False)
 class Family:
     """What a family package registers: the architectures it serves.
@@ -77,7 +123,8 @@ class Family:
     Attributes:
         name: Short name (``"llama"``).
         architectures: vLLM architecture names (a config's ``architectures``
-            strings, as vLLM's model registry keys them) to their declarations.
+            strings, as vLLM's model registry keys them) to their declarations
+            (an `Architecture`, or a `ByConfig` choosing one by the config).
         vllm: The vLLM versions the family was verified against, as a PEP 440
             specifier; another installed version loads with a warning.
         transformers_backend: Declarations for the same architectures run
@@ -87,9 +134,9 @@ class Family:
     """
 
     name: str
-    architectures: Mapping[str, Architecture]
+    architectures: Mapping[str, Architecture | ByConfig]
     vllm: str = ""
-    transformers_backend: Mapping[str, Architecture] = field(default_factory=dict)
+    transformers_backend: Mapping[str, Architecture | ByConfig] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, eq=False)
@@ -134,10 +181,15 @@ def families() -> list[InstalledFamily]:
     return list(_discover())
 
 
-def resolve(architectures: Iterable[str], backend: bool = False) -> tuple[InstalledFamily, str, Architecture]:
+def resolve(
+    architectures: Iterable[str], backend: bool = False, config: Any = None
+) -> tuple[InstalledFamily, str, Architecture]:
     """The installed family that declares one of ``architectures``, and its declarations.
 
     With ``backend``, the declarations for vLLM's transformers backend.
+    ``config`` (a transformers config or a ``config.json`` dict) chooses
+    among declarations a family made `ByConfig`; without it, such a
+    declaration is refused.
 
     Raises:
         UnknownArchitecture: no installed family declares any of them; the
@@ -149,7 +201,12 @@ def resolve(architectures: Iterable[str], backend: bool = False) -> tuple[Instal
             declared = installed.family.transformers_backend if backend else installed.family.architectures
             if name in declared:
                 _check_vllm(installed)
-                return installed, name, declared[name]
+                chosen = declared[name]
+                if isinstance(chosen, ByConfig):
+                    if config is None:
+                        raise TypeError(f"{installed.name} declares {name} by its config's {chosen.attribute}: pass config=")
+                    chosen = chosen.choose(config)
+                return installed, name, chosen
     if backend:
         raise UnknownArchitecture(
             f"no installed vlenvoys family declares {' / '.join(architectures)} on vLLM's transformers backend "

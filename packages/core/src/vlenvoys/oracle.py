@@ -66,6 +66,14 @@ class HFLayout:
         multipliers: Value name -> the config attribute the block multiplies
             that module's output by before adding it (Granite's
             ``residual_multiplier``): the value is the output times it.
+        attention_method: For a model whose attention does not go through
+            transformers' attention interface (GPT-J), the attention
+            module's method computing the heads' outputs,
+            ``(query, key, value, attention_mask) -> (output, weights)`` with
+            ``[batch, heads, tokens, head_dim]`` rotated queries and keys and
+            outputs in the same layout (GPT-J's ``_attn``); its scale is the
+            module's ``scaling``, or one over its ``scale_attn``. The
+            attention module is the one ``attention_output`` is read at.
     """
 
     layers: str = "model.layers"
@@ -86,6 +94,7 @@ class HFLayout:
         }
     )
     multipliers: dict[str, str] = field(default_factory=dict)
+    attention_method: str | None = None
 
     def multiplier(self, model: torch.nn.Module, value: str) -> float:
         """What the block multiplies ``value``'s module output by (1 where nothing)."""
@@ -135,14 +144,56 @@ def _recording_attention(module, query, key, value, attention_mask, scaling, dro
             raw = cap * torch.tanh(raw / cap)
         if attention_mask is not None:
             raw = raw.masked_fill(attention_mask[..., : raw.shape[-1]] < -1e30, float("-inf"))
-        keep = recorder.values
-        keep["attention_queries"][layer] = query.transpose(1, 2).detach().clone()
-        keep["attention_keys"][layer] = key.transpose(1, 2).detach().clone()
-        keep["attention_values"][layer] = value.transpose(1, 2).detach().clone()
-        keep["attention_scores"][layer] = raw.detach().clone()
-        keep["attention_probabilities"][layer] = weights.detach().float().clone()
-        keep["attention_head_outputs"][layer] = output.detach().clone()
+        _keep(recorder, layer, query, key, value, raw, weights, output)
     return output, weights
+
+
+def _keep(recorder: _Recorder, layer: int, query, key, value, raw, weights, output) -> None:
+    """Record one layer's attention values; ``raw`` the scores ``[b, heads, q, k]``, ``output`` ``[b, T, heads, d]``."""
+    keep = recorder.values
+    keep["attention_queries"][layer] = query.transpose(1, 2).detach().clone()
+    keep["attention_keys"][layer] = key.transpose(1, 2).detach().clone()
+    keep["attention_values"][layer] = value.transpose(1, 2).detach().clone()
+    keep["attention_scores"][layer] = raw.detach().clone()
+    keep["attention_probabilities"][layer] = weights.detach().float().clone()
+    keep["attention_head_outputs"][layer] = output.detach().clone()
+
+
+@contextlib.contextmanager
+def _recording_method(model: torch.nn.Module, layout: HFLayout) -> Iterator[None]:
+    """Wrap each block's ``layout.attention_method`` to record (and edit keys) as `_recording_attention` does."""
+    if layout.attention_method is None:
+        yield
+        return
+    name = layout.attention_method
+    modules = [_module(block, layout.places["attention_output"][0]) for block in layout.blocks(model)]
+
+    def wrapped(module: torch.nn.Module, layer: int, original: Callable) -> Callable:
+        def method(query, key, value, attention_mask=None, *args, **kwargs):
+            recorder = _ACTIVE[-1] if _ACTIVE else None
+            if recorder is not None and layer in recorder.key_edits:
+                key = recorder.key_edits[layer](key)
+            output, weights = original(query, key, value, attention_mask, *args, **kwargs)
+            if recorder is not None:
+                scaling = getattr(module, "scaling", None) or 1.0 / float(module.scale_attn)
+                raw = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scaling
+                tokens = raw.shape[-1]
+                if attention_mask is not None:
+                    raw = raw.masked_fill(attention_mask[..., :tokens] < -1e30, float("-inf"))
+                else:  # causal, as the method's own softmax was given no mask
+                    raw = raw.masked_fill(torch.ones(tokens, tokens, dtype=torch.bool).triu(1), float("-inf"))
+                _keep(recorder, layer, query, key, value, raw, weights, output.transpose(1, 2))
+            return output, weights
+
+        return method
+
+    for layer, module in enumerate(modules):
+        setattr(module, name, wrapped(module, layer, getattr(module, name)))
+    try:
+        yield
+    finally:
+        for module in modules:
+            delattr(module, name)  # the class's method again
 
 
 def register_attention() -> str:
@@ -156,10 +207,76 @@ def register_attention() -> str:
 
 
 def load_reference(path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """The transformers model of a checkpoint, on the CPU, in ``dtype`` (float32 by default), with the recording attention."""
+    """The transformers model of a checkpoint, on the CPU, in ``dtype`` (float32 by default), with the recording attention.
+
+    A model whose attention does not take transformers' attention interface
+    (GPT-J) is loaded with eager attention; its layout's ``attention_method``
+    records it. One loaded after an engine of its architecture started on
+    vLLM's transformers backend, in this process, is built as it runs: uncompiled.
+    """
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=register_attention()).eval()
+    def build(attention: str) -> torch.nn.Module:
+        return built(lambda: AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention)).eval()
+
+    try:
+        return build(register_attention())
+    except (ValueError, KeyError):
+        return build("eager")
+
+
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` run as transformers runs it, though vLLM's transformers backend decorated its classes.
+
+    The backend marks the model's decoder class (``GPTNeoXModel``) for
+    vLLM's compiler, in every process that builds an engine of it (nnsight
+    builds one, weightless, in the client): the class's call then goes
+    through vLLM's compile wrapper, which an instance built before (or
+    outside an engine) is not set up for. Told ``do_not_compile``, as vLLM
+    tells the instances it runs uncompiled, the wrapper calls the class's
+    own forward.
+    """
+    for module in model.modules():
+        if any(base.__name__ == "TorchCompileWithNoGuardsWrapper" for base in type(module).__mro__):
+            module.do_not_compile = True
+    return model
+
+
+def built(make: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    """``make()``, a transformers model, built and run as transformers does even where vLLM's backend decorated its class.
+
+    After an engine of the architecture started on vLLM's transformers
+    backend in this process, the class's constructor asks for vLLM's config
+    (see `_unwrapped`). ``make`` is then called again with the decorated
+    classes' own constructors back for the while (vLLM's decorator keeps
+    each as ``old_init`` in the one it puts in its place); it must build the
+    same model when called twice.
+    """
+    try:
+        return make()
+    except AssertionError as error:
+        if "vLLM config is not set" not in str(error):
+            raise
+        failure = error
+    import inspect
+
+    from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
+
+    originals = {}
+    for cls in TorchCompileWithNoGuardsWrapper.__subclasses__():
+        if cls.__module__.startswith("transformers."):
+            original = inspect.getclosurevars(cls.__init__).nonlocals.get("old_init")
+            if original is not None:
+                originals[cls] = (cls.__init__, original)
+    if not originals:
+        raise failure
+    try:
+        for cls, (_, original) in originals.items():
+            cls.__init__ = original
+        return _unwrapped(make())
+    finally:
+        for cls, (decorated, _) in originals.items():
+            cls.__init__ = decorated
 
 
 def _first(value: object) -> torch.Tensor:
@@ -209,7 +326,8 @@ def reference(model: torch.nn.Module, input_ids: Sequence[int], layout: HFLayout
                 handles.append(module.register_forward_hook(keep(), with_kwargs=True))
     _ACTIVE.append(recorder)
     try:
-        logits = model(torch.tensor([list(input_ids)])).logits[0, -1]
+        with _recording_method(model, layout):
+            logits = _unwrapped(model)(torch.tensor([list(input_ids)])).logits[0, -1]
     finally:
         _ACTIVE.remove(recorder)
         for handle in handles:
@@ -321,9 +439,10 @@ def edited_logits(
             stack.enter_context(_rerouted(_module(layout.blocks(model)[index], layout.places["mlp_router_logits"][0]), fn))
         for index, child, side, fn in edits:
             stack.enter_context(_hooked(_module(layout.blocks(model)[index], child), side, fn))
+        stack.enter_context(_recording_method(model, layout))
         _ACTIVE.append(recorder)
         try:
-            return model(torch.tensor([list(input_ids)])).logits[0, -1].detach().clone()
+            return _unwrapped(model)(torch.tensor([list(input_ids)])).logits[0, -1].detach().clone()
         finally:
             _ACTIVE.remove(recorder)
 

@@ -490,7 +490,7 @@ def prepare(args: Any) -> None:
         UnknownArchitecture: no installed family declares the model's architecture.
         FileNotFoundError: no checkpoint, or no ``--vectors`` file.
     """
-    from .engine import _engine_defaults, architectures_of, worker_class
+    from .engine import _engine_defaults, architectures_of, config_of, worker_class
     from .family import resolve
 
     if getattr(args, "model_tag", None):
@@ -504,7 +504,7 @@ def prepare(args: Any) -> None:
         raise ValueError("vLLM's transformers backend is not served: steering needs the family's block output")
     if args.worker_cls not in (None, "auto"):
         raise ValueError(f"--worker-cls {args.worker_cls}: vlenvoys serve runs its own worker")
-    resolve(architectures_of(args.model), backend=False)
+    resolve(architectures_of(args.model), backend=False, config=config_of(args.model))
     if args.vectors:
         from transformers import AutoConfig
 

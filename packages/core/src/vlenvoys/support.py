@@ -8,7 +8,7 @@ from typing import Any
 
 from . import errors
 from .envoys import StandardEnvoy
-from .family import Architecture, resolve
+from .family import Architecture
 from .values import Derived, Located
 
 __all__ = ["Support", "Row", "support"]
@@ -113,16 +113,19 @@ def support(model: Any) -> Support:
     Raises:
         UnknownArchitecture: no installed family declares the checkpoint's architecture.
     """
-    from .engine import architectures_of
+    from .engine import resolve_checkpoint
 
     if isinstance(model, (str, os.PathLike)):
-        installed, name, architecture = resolve(architectures_of(model))
+        installed, name, architecture = resolve_checkpoint(model, {})
     else:
         architecture: Architecture = model.architecture
         installed = model.family
         declared = {**installed.family.architectures, **installed.family.transformers_backend}
+        declared = {a: getattr(each, "choices", {None: each}) for a, each in declared.items()}  # ByConfig's choices
         # Several architectures can share one declaration (Llama, Mistral): the checkpoint's own name first.
-        name = getattr(model, "architecture_name", None) or next(a for a, each in declared.items() if each is architecture)
+        name = getattr(model, "architecture_name", None) or next(
+            a for a, choices in declared.items() if any(each is architecture for each in choices.values())
+        )
     rows = [Row("model", "token_embeddings", "Residual", True, "block 0's stream input")]
     rows += _rows("layer", architecture.layer)
     rows += _rows("attention", architecture.attention)

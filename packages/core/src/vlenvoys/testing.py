@@ -7,7 +7,8 @@ English paragraphs, to a folder that both ``AutoModelForCausalLM.from_pretrained
 Default shapes: hidden 128, 4 query heads of head dim 32 (vLLM's CPU attention
 refuses head dim 16), 2 key/value heads where the
 architecture has grouped-query attention, MLP intermediate 256, 3 layers,
-vocabulary 512, 256 positions, float32. Architectures with interleaved
+vocabulary 512, 256 positions, float32. GPT-NeoX and GPT-J rotate a
+quarter of each head (partial rotary). Architectures with interleaved
 sliding-window layers (Gemma2, Gemma3, Exaone4) alternate sliding (window 16
 tokens) and full attention, so the longer :data:`PROMPTS` cross the window.
 Weights are drawn with std ``hidden_size ** -0.5`` instead of the usual 0.02
@@ -135,7 +136,24 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "mlp_only_layers": [],
         "norm_topk_prob": True,
     },
+    # Pythia's block: attention and MLP both read the block input (parallel residual), a quarter
+    # of each head rotated (rotary_pct 0.25, 8 of 32 dimensions), rotate-half (NeoX) style.
+    # use_parallel_residual=False gives the sequential block.
+    "GPTNeoXForCausalLM": _BASE | {"intermediate_size": 256, "rotary_pct": 0.25, "use_parallel_residual": True},
+    # GPT-J: parallel block with one norm for both sublayers, 8 of each head's 32 dimensions rotated,
+    # interleaved (GPT-J) style.
+    "GPTJForCausalLM": _BASE | {"n_inner": 256, "rotary_dim": 8},
 }
+
+
+def _gptj_unembedding_bias(model: Any) -> None:
+    # transformers initialises GPT-J's unembedding bias to zeros: drawn instead, so that a
+    # logit lens (project_on_vocab) that left it out would differ from the engine's logits.
+    torch.nn.init.normal_(model.lm_head.bias, std=1.0)
+
+
+#: Weights drawn after the model's own initialisation, per architecture.
+_AFTER_INIT = {"GPTJForCausalLM": _gptj_unembedding_bias}
 
 
 def architectures() -> tuple[str, ...]:
@@ -251,10 +269,18 @@ def _build(
             f"vocab_size {config.vocab_size} < {len(tokenizer)} tokenizer tokens"
         )
 
+    from .oracle import built
+
+    def make() -> Any:
+        torch.manual_seed(seed)
+        model = model_cls(config)
+        with torch.no_grad():
+            _AFTER_INIT.get(architecture, lambda model: None)(model)
+        return model
+
     # A private RNG state keeps the caller's global torch RNG untouched.
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = model_cls(config).to(torch.float32)
+        model = built(make).to(torch.float32)
     model = model.to(getattr(torch, dtype))
 
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))

@@ -603,7 +603,9 @@ class StandardRunner:
         send_back_what_can_be_sent(self)
 
         backend = type(self.get_model()).__name__.startswith("Transformers")
-        installed, name, architecture = resolve(self.model_config.hf_config.architectures, backend=backend)
+        installed, name, architecture = resolve(
+            self.model_config.hf_config.architectures, backend=backend, config=self.model_config.hf_config
+        )
         plain = self.nnsight_model
         interleaver = plain.interleaver
         interleaver.batcher.__class__ = SplicingBatcher
