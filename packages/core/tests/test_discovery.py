@@ -8,6 +8,7 @@ from typer.testing import CliRunner
 import vlenvoys
 from vlenvoys import testing
 from vlenvoys.cli import app
+from vlenvoys.engine import resolve_checkpoint
 from vlenvoys.family import resolve
 
 
@@ -17,14 +18,21 @@ def installed_names() -> set[str]:
 
 @pytest.mark.parametrize(
     "architecture, package",
-    [("LlamaForCausalLM", "vlenvoys-llama"), ("GPT2LMHeadModel", "vlenvoys-gpt2"), ("Gemma2ForCausalLM", "vlenvoys-gemma")],
+    [
+        ("LlamaForCausalLM", "vlenvoys-llama"),
+        ("GPT2LMHeadModel", "vlenvoys-gpt2"),
+        ("Gemma2ForCausalLM", "vlenvoys-gemma"),
+        ("Olmo2ForCausalLM", "vlenvoys-exaone"),  # declared on vLLM's transformers backend alone
+    ],
 )
 def test_unknown_architecture_names_the_package_that_serves_it(tmp_path, architecture, package):
     """In the core session no family is installed; beside one, the model resolves to it instead."""
     path = testing.tiny_model(architecture, tmp_path / "model")
-    serving = [i for i in vlenvoys.families() if architecture in i.family.architectures]
+    serving = [
+        i for i in vlenvoys.families() if architecture in {**i.family.architectures, **i.family.transformers_backend}
+    ]
     if serving:
-        installed, _, _ = resolve([architecture])
+        installed, _, _ = resolve_checkpoint(path, {})
         assert installed.distribution == package == serving[0].distribution
         return
     with pytest.raises(vlenvoys.UnknownArchitecture, match=rf"{architecture}.*install {package}"):
@@ -41,6 +49,9 @@ def test_families_command_lists_what_is_installed():
     assert result.exit_code == 0, result.output
     for name in installed_names():
         assert name in result.output
+    for installed in vlenvoys.families():  # an architecture declared on the transformers backend alone is listed too
+        for name in installed.family.transformers_backend:
+            assert name in result.output
 
 
 def test_help_names_the_main_job():

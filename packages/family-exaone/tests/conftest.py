@@ -1,4 +1,9 @@
-"""One vLLM engine per EXAONE 4 model for the session, beside transformers with the same weights."""
+"""One vLLM engine per EXAONE 4 / OLMo 2 model for the session, beside transformers with the same weights.
+
+OLMo 2 runs on vLLM's transformers backend, which decorates transformers' OLMo 2 classes in the
+process that starts the engine: its subject is marked ``transformers_backend`` and runs in a pytest
+process of its own (``-m transformers_backend``), as nox's family session runs them.
+"""
 
 from vlenvoys import conformance
 from vlenvoys.oracle import HFLayout
@@ -28,6 +33,9 @@ MODELS = {
     ),
     # Two ranks: q/k norms per head on each rank's heads.
     "Exaone4ForCausalLM-window8-tp2": ("Exaone4ForCausalLM", {"sliding_window": 8}, {"tensor_parallel_size": 2}),
+    # EXAONE 4's block under the same transformers names. vLLM 0.32 runs it on its transformers backend
+    # (vlenvoys.load chooses it by itself; named here so that the subject is marked transformers_backend).
+    "Olmo2ForCausalLM": ("Olmo2ForCausalLM", {}, {"model_impl": "transformers"}),
 }
 
 subject = conformance.subject_fixture(MODELS, EXAONE4_LAYOUT)

@@ -1,6 +1,6 @@
-"""The oracle suite (every value, every layer, edits) on EXAONE 4, and what is EXAONE 4's own:
-the missing pre-sublayer norms, the mid-layer stream inside the block's forward, the block's
-(stream, mid) return, the logit lens, and hybrid sliding/full attention."""
+"""The oracle suite (every value, every layer, edits) on EXAONE 4 and OLMo 2, and what their block has
+of its own: the missing pre-sublayer norms, the mid-layer stream inside the block's forward, EXAONE 4's
+(stream, mid) return, the logit lens, and EXAONE 4's hybrid sliding/full attention."""
 
 import pytest
 import torch
@@ -20,33 +20,42 @@ MISSING_NORMS = {
 }
 
 
+def architecture(subject) -> str:
+    return subject.reference.config.architectures[0]
+
+
 def test_registered_with_its_version():
     (installed,) = [i for i in vlenvoys.families() if i.name == "exaone"]
     assert installed.distribution == "vlenvoys-exaone"
     assert installed.version == vlenvoys_exaone.__version__
     assert installed.family is vlenvoys_exaone.FAMILY
     assert set(installed.family.architectures) == {"Exaone4ForCausalLM", "ExaoneForCausalLM"}
+    assert set(installed.family.transformers_backend) == {"Olmo2ForCausalLM"}
 
 
-def test_support_of_a_checkpoint_lists_the_missing_norms_with_what_to_read_instead(tmp_path):
-    """From the declarations alone, no engine."""
-    path = testing.tiny_model("Exaone4ForCausalLM", tmp_path / "model", sliding_window=WINDOW)
+@pytest.mark.parametrize("architecture", ["Exaone4ForCausalLM", "Olmo2ForCausalLM"])
+def test_support_of_a_checkpoint_lists_the_missing_norms_with_what_to_read_instead(tmp_path, architecture):
+    """From the declarations alone, no engine (OLMo 2's, on the transformers backend vLLM runs it on)."""
+    path = testing.tiny_model(architecture, tmp_path / "model")
     support = vlenvoys.support(path)
-    assert (support.architecture, support.family) == ("Exaone4ForCausalLM", "exaone")
+    assert (support.architecture, support.family) == (architecture, "exaone")
     for name, (reason, instead) in MISSING_NORMS.items():
         row = support["layer", name]
         assert not row.available
         assert row.note == reason
         assert f"read {instead} instead" in row.note
     unavailable = {row.value for row in support if not row.available}
-    assert unavailable == {"attention_norm_output", "mlp_norm_output", "mlp_activation"}
+    routes = {"mlp_router_logits", "mlp_router_experts", "mlp_router_weights"}  # a dense MLP (NOT_ROUTED)
+    assert unavailable == {"attention_norm_output", "mlp_norm_output", "mlp_activation", *routes}
 
 
 @pytest.mark.parametrize("name", list(MISSING_NORMS))
 def test_reading_a_missing_norm_is_refused_by_name(subject, name):
     model, prompt = subject.model, subject.prompts[0]
     baseline = logits_of(model, prompt)
-    with pytest.raises(vlenvoys.Unavailable, match=f"{name} is unavailable on Exaone4Layer") as raised:
+    layer = type(model.layers[1]).__name__
+    assert layer == {"Exaone4ForCausalLM": "Exaone4Layer", "Olmo2ForCausalLM": "Olmo2Layer"}[architecture(subject)]
+    with pytest.raises(vlenvoys.Unavailable, match=f"{name} is unavailable on {layer}") as raised:
         logits_of(model, prompt, lambda model: getattr(model.layers[1], name).save())
     assert raised.value.value == name
     assert raised.value.reason == MISSING_NORMS[name][0]
@@ -57,6 +66,8 @@ def test_reading_a_missing_norm_is_refused_by_name(subject, name):
 def test_layer_mid_is_the_stream_the_block_returns_beside_its_output(subject):
     """vLLM's block returns (stream, mid): the mid-layer stream read inside the forward is its second element."""
     model = subject.model
+    if architecture(subject) == "Olmo2ForCausalLM":
+        pytest.skip("transformers' OLMo 2 block returns the stream alone (its layer_mid is the MLP's input, below)")
     with model.trace(subject.prompts[2], temperature=0.0):
         pairs = list().save()
         for layer in model.layers:
@@ -74,13 +85,13 @@ def test_layer_mid_edit_reaches_the_mlp_and_the_residual_add(subject):
         before = layer.layer_mid.clone().save()
         mid = layer.layer_mid
         mid[:, -2] += vector.to(mid.device)
-        mlp_input = layer.mlp.input.clone().save()
+        mlp_input = layer.mlp.input.clone().save()  # [tokens, hidden]; [1, tokens, hidden] on the backend
         contribution = layer.mlp.mlp_output.save()
         leaving = layer.layer_output.save()
     before, mlp_input, contribution, leaving = host((before, mlp_input, contribution, leaving))
     edited = before.clone()
     edited[:, -2] += vector
-    assert torch.equal(mlp_input, edited[0])
+    assert torch.equal(mlp_input, edited if subject.model.architecture.mlp.BATCHED else edited[0])
     assert (leaving - contribution - edited).abs().max() <= 1e-5 * max(1.0, leaving.abs().max().item())
 
 
@@ -115,7 +126,7 @@ def test_each_layer_attends_with_its_own_window(subject):
         for layer in model.layers:
             patterns.append(layer.self_attn.attention_probabilities)
     windows = [subject.window(layer) for layer in range(len(patterns))]
-    hybrid = subject.reference.config.sliding_window is not None
+    hybrid = getattr(subject.reference.config, "sliding_window", None) is not None
     assert windows == ([WINDOW, None, WINDOW] if hybrid else [None, None, None])
     tokens = len(prompt)
     assert WINDOW < tokens

@@ -9,7 +9,7 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -326,6 +326,12 @@ def support(model: Model = None) -> None:
         Console(width=max(120, Console().width)).print(vlenvoys.support(checkpoint(model)).table())
 
 
+def served(family: Any) -> list[str]:
+    """A family's architectures, those it declares on vLLM's transformers backend alone marked so."""
+    alone = [name for name in family.transformers_backend if name not in family.architectures]
+    return [*family.architectures, *(f"{name} (transformers backend)" for name in alone)]
+
+
 @app.command()
 def families() -> None:
     """List the installed family packages, their versions and the architectures they serve."""
@@ -342,7 +348,7 @@ def families() -> None:
             installed.name,
             installed.distribution,
             installed.version,
-            ", ".join(installed.family.architectures) or "(none yet)",
+            ", ".join(served(installed.family)) or "(none yet)",
         )
     Console().print(table)
 

@@ -32,7 +32,7 @@ PUBLISHED = {
     ),
     "vlenvoys-gpt2": ("GPT2LMHeadModel",),
     "vlenvoys-gemma": ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"),
-    "vlenvoys-exaone": ("Exaone4ForCausalLM", "ExaoneForCausalLM"),
+    "vlenvoys-exaone": ("Exaone4ForCausalLM", "ExaoneForCausalLM", "Olmo2ForCausalLM"),
     "vlenvoys-neox": ("GPTNeoXForCausalLM", "GPTJForCausalLM"),
 }
 

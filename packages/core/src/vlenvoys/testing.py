@@ -8,7 +8,8 @@ Default shapes: hidden 128, 4 query heads of head dim 32 (vLLM's CPU attention
 refuses head dim 16), 2 key/value heads where the
 architecture has grouped-query attention, MLP intermediate 256, 3 layers,
 vocabulary 512, 256 positions, float32. GPT-NeoX and GPT-J rotate a
-quarter of each head (partial rotary). Architectures with interleaved
+quarter of each head (partial rotary). OLMo 2's norm weights are drawn
+around 1, not left at transformers' ones. Architectures with interleaved
 sliding-window layers (Gemma2, Gemma3, Exaone4) alternate sliding (window 16
 tokens) and full attention, so the longer :data:`PROMPTS` cross the window.
 Weights are drawn with std ``hidden_size ** -0.5`` instead of the usual 0.02
@@ -136,6 +137,9 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "mlp_only_layers": [],
         "norm_topk_prob": True,
     },
+    # OLMo 2: norms after the sublayers, q/k norms over the whole projection (vLLM 0.32: transformers
+    # backend); norm weights drawn around 1 (_norm_weights).
+    "Olmo2ForCausalLM": _DECODER,
     # Pythia's block: attention and MLP both read the block input (parallel residual), a quarter
     # of each head rotated (rotary_pct 0.25, 8 of 32 dimensions), rotate-half (NeoX) style.
     # use_parallel_residual=False gives the sequential block.
@@ -152,8 +156,16 @@ def _gptj_unembedding_bias(model: Any) -> None:
     torch.nn.init.normal_(model.lm_head.bias, std=1.0)
 
 
+def _norm_weights(model: Any) -> None:
+    # transformers initialises norm weights to ones: drawn around 1 instead, so that a norm weight
+    # vLLM loaded in the wrong place (OLMo 2's whole-projection q/k norms, its post-norms) shows.
+    for name, parameter in model.named_parameters():
+        if name.endswith("norm.weight"):
+            parameter.copy_(1 + 0.2 * torch.randn_like(parameter))
+
+
 #: Weights drawn after the model's own initialisation, per architecture.
-_AFTER_INIT = {"GPTJForCausalLM": _gptj_unembedding_bias}
+_AFTER_INIT = {"GPTJForCausalLM": _gptj_unembedding_bias, "Olmo2ForCausalLM": _norm_weights}
 
 
 def architectures() -> tuple[str, ...]:

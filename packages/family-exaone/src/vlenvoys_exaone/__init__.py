@@ -16,9 +16,28 @@ declaration.
 EXAONE 3 (``ExaoneForCausalLM``) is Llama's fused block under GPT-2-like
 names: ``transformer.h[i]`` with ``ln_1``/``ln_2``, the attention one level
 down at ``attn.attention`` (``out_proj``), the MLP's down projection ``c_proj``.
+
+OLMo 2 (``Olmo2ForCausalLM``) is EXAONE 4's block: no norm before either
+sublayer, ``post_attention_layernorm`` / ``post_feedforward_layernorm`` on
+their outputs before each add, q/k norms (over the whole projection) inside
+the attention. vLLM 0.32 has no OLMo 2 model of its own and runs it on its
+transformers backend: transformers' ``Olmo2DecoderLayer``, called with the
+whole stream and returning it, activations with the batch axis, vLLM's
+kernel mounted as ``self_attn.attn`` (it gets the normed, rotated queries and
+keys). `vlenvoys.load` chooses the backend by itself.
 """
 
-from vlenvoys import Architecture, Attention, Family, FusedLayer, Layer, Mlp
+from vlenvoys import (
+    Architecture,
+    Attention,
+    Family,
+    FusedLayer,
+    Layer,
+    Mlp,
+    TransformersAttention,
+    TransformersLayer,
+    TransformersMlp,
+)
 
 from .version import __version__
 
@@ -28,21 +47,25 @@ __all__ = [
     "FAMILY",
     "NO_PRE_ATTENTION_NORM",
     "NO_PRE_MLP_NORM",
+    "OLMO2",
     "Exaone3Attention",
     "Exaone3Layer",
     "Exaone3Mlp",
     "Exaone4Attention",
     "Exaone4Layer",
     "Exaone4Mlp",
+    "Olmo2Attention",
+    "Olmo2Layer",
+    "Olmo2Mlp",
     "__version__",
 ]
 
 NO_PRE_ATTENTION_NORM = (
-    "EXAONE 4 norms after the attention, not before: the attention reads the raw stream, "
+    "this block (EXAONE 4, OLMo 2) norms after the attention, not before: the attention reads the raw stream, "
     "so its input is layer_input; read layer_input instead (the post-attention norm's output is attention_output)"
 )
 NO_PRE_MLP_NORM = (
-    "EXAONE 4 norms after the MLP, not before: the MLP reads the mid-layer stream as it is; "
+    "this block (EXAONE 4, OLMo 2) norms after the MLP, not before: the MLP reads the mid-layer stream as it is; "
     "read layer_mid instead (the post-feedforward norm's output is mlp_output)"
 )
 
@@ -107,8 +130,29 @@ EXAONE3 = Architecture(
     },
 )
 
+
+class Olmo2Layer(TransformersLayer):
+    """transformers' ``Olmo2DecoderLayer.forward(hidden_states, ...) -> hidden_states``, on vLLM's backend."""
+
+    # The forward's `hidden_states = residual + hidden_states` after the attention's post-norm.
+    MID = "source.hidden_states_1.output"
+    UNAVAILABLE = Exaone4Layer.UNAVAILABLE
+
+
+class Olmo2Attention(TransformersAttention):
+    CONTRIBUTION = Exaone4Attention.CONTRIBUTION
+
+
+class Olmo2Mlp(TransformersMlp):
+    CONTRIBUTION = Exaone4Mlp.CONTRIBUTION
+
+
+OLMO2 = Architecture(layer=Olmo2Layer, attention=Olmo2Attention, mlp=Olmo2Mlp)
+
 FAMILY = Family(
     name="exaone",
     vllm=">=0.32,<0.33",
     architectures={"Exaone4ForCausalLM": EXAONE4, "ExaoneForCausalLM": EXAONE3},
+    # vLLM 0.32 runs OLMo 2 on its transformers backend alone.
+    transformers_backend={"Olmo2ForCausalLM": OLMO2},
 )
