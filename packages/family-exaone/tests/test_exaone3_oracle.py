@@ -87,7 +87,8 @@ def test_standard_names_reach_exaone3_modules(subject):
     assert model.layers[1].mlp.path == "model.transformer.h.1.mlp"
     assert model.ln_final.path == "model.transformer.ln_f"
     unavailable = {row.value for row in vlenvoys.support(model) if not row.available}
-    assert unavailable == {"mlp_activation"}
+    routes = {"mlp_router_logits", "mlp_router_experts", "mlp_router_weights"}  # a dense MLP (NOT_ROUTED)
+    assert unavailable == {"mlp_activation", *routes}
 
 
 def test_logit_lens_matches_transformers(subject):
