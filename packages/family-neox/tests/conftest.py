@@ -44,11 +44,28 @@ NEOX_LAYOUT = HFLayout(
     },
 )
 
+#: transformers' Cohere names: Llama's, with one norm (input_layernorm) feeding both sublayers.
+COHERE_LAYOUT = HFLayout(
+    places={
+        "layer_input": ("", "input"),
+        "attention_norm_output": ("input_layernorm", "output"),
+        "attention_output": ("self_attn", "output"),
+        "mlp_norm_output": ("input_layernorm", "output"),
+        "mlp_output": ("mlp", "output"),
+        "layer_output": ("", "output"),
+        "attention_premix": ("self_attn.o_proj", "input"),
+        "mlp_neurons": ("mlp.down_proj", "input"),
+    },
+)
+
 BACKEND = {"model_impl": "transformers"}
 
 MODELS = {
     # Parallel block, 8 of each head's 32 dimensions rotated (interleaved, GPT-J style).
     "GPTJForCausalLM": ("GPTJForCausalLM", {}, GPTJ_LAYOUT),
+    # Command-R(+): parallel block under one LayerNorm, per-head q/k norms, logits scaled by 0.5,
+    # tied embeddings, norm weights drawn around 1; vLLM's own model (commandr.py).
+    "CohereForCausalLM": ("CohereForCausalLM", {}, COHERE_LAYOUT),
     # Pythia: parallel block, a quarter of each head rotated (rotate-half, NeoX style).
     # On vLLM's transformers backend (vlenvoys.load chooses it for GPT-NeoX by itself, see
     # test_neox_runs_on_the_transformers_backend_by_itself; named here so that they are marked).

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 import vlenvoys
 from vlenvoys import testing
@@ -56,3 +57,30 @@ def test_the_tiny_models_rotate_part_of_each_head(tmp_path, architecture):
 def test_each_subject_runs_where_it_is_declared(subject):
     assert vlenvoys.on_transformers_backend(subject.model) is subject.name.startswith("GPTNeoX")
     assert subject.parallel is (not subject.name.endswith("sequential"))
+
+
+def test_cohere_runs_on_vllms_own_model_as_a_parallel_block(tmp_path):
+    """vLLM 0.32 has Cohere of its own (commandr.py): no backend, GPT-J's parallel block under Llama's names."""
+    path = testing.tiny_model("CohereForCausalLM", tmp_path / "cohere")
+    engine_kwargs = {}
+    installed, name, architecture = resolve_checkpoint(path, engine_kwargs)
+    assert (installed.name, name) == ("neox", "CohereForCausalLM") and engine_kwargs == {}
+    assert architecture.layer.PARALLEL and not architecture.layer.BATCHED
+    assert architecture.rename["model.embed_tokens"] == ["embed_tokens", "lm_head"]  # tied: no lm_head child
+    support = vlenvoys.support(str(path))
+    assert support["layer", "layer_mid"].note == vlenvoys.PARALLEL
+    assert support["mlp", "mlp_activation"].note == vlenvoys.GATED
+
+
+def test_the_tiny_cohere_has_what_a_misplaced_piece_would_show(tmp_path):
+    """q/k norms, a logit scale other than 1, tied embeddings, and norm weights that are not ones."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    path = testing.tiny_model("CohereForCausalLM", tmp_path / "cohere")
+    config = AutoConfig.from_pretrained(path)
+    assert config.use_qk_norm and config.logit_scale not in (0.0, 1.0) and config.tie_word_embeddings
+    with safe_open(str(path / "model.safetensors"), "pt") as weights:
+        norms = [weights.get_tensor(key) for key in weights.keys() if key.endswith("norm.weight")]
+    assert len(norms) == 3 * config.num_hidden_layers + 1  # input_layernorm, q_norm, k_norm per block; model.norm
+    assert all(not torch.equal(norm, torch.ones_like(norm)) for norm in norms)

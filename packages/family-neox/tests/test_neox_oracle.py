@@ -1,4 +1,4 @@
-"""The oracle suite (every value, every layer, edits) on GPT-J and GPT-NeoX, parallel and sequential."""
+"""The oracle suite (every value, every layer, edits) on GPT-J, Cohere and GPT-NeoX, parallel and sequential."""
 
 import vlenvoys
 import vlenvoys_neox
@@ -9,5 +9,5 @@ def test_registered_with_its_version():
     (installed,) = [i for i in vlenvoys.families() if i.name == "neox"]
     assert installed.distribution == "vlenvoys-neox"
     assert installed.version == vlenvoys_neox.__version__
-    assert "GPTJForCausalLM" in installed.family.architectures
+    assert {"GPTJForCausalLM", "CohereForCausalLM"} <= set(installed.family.architectures)
     assert "GPTNeoXForCausalLM" in installed.family.transformers_backend

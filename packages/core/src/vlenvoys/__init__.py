@@ -20,7 +20,7 @@ from .envoys import (
     TransformersMlp,
 )
 from .errors import DECODE_STEP, FUSED_ROUTING, GATED, NOT_ROUTED, PARALLEL, ROUTED, InvalidWrite, ReadOnly, SkipRefused, Unavailable, UnknownArchitecture
-from .family import BACKBONE_NAMES, Architecture, ByConfig, Family, InstalledFamily, families
+from .family import BACKBONE_NAMES, TIED_BACKBONE_NAMES, Architecture, ByConfig, Family, InstalledFamily, families
 from .steering import Steering, generate
 from .support import Support, support
 from .values import Derived, Experts, Flat, Heads, Neurons, Pattern, Residual, Routes, argument, batched, summed, summed_output, unbatched, with_argument
@@ -34,6 +34,7 @@ __all__ = [
     "NOT_ROUTED",
     "PARALLEL",
     "ROUTED",
+    "TIED_BACKBONE_NAMES",
     "Architecture",
     "Attention",
     "ByConfig",

@@ -19,7 +19,9 @@ from typing import Any
 from .envoys import Attention, Blocks, Layer, Mlp
 from .errors import UnknownArchitecture
 
-__all__ = ["BACKBONE_NAMES", "Architecture", "ByConfig", "Family", "InstalledFamily", "families", "resolve"]
+__all__ = [
+    "BACKBONE_NAMES", "TIED_BACKBONE_NAMES", "Architecture", "ByConfig", "Family", "InstalledFamily", "families", "resolve",
+]
 
 GROUP = "vlenvoys.families"
 
@@ -33,13 +35,16 @@ PUBLISHED = {
     "vlenvoys-gpt2": ("GPT2LMHeadModel",),
     "vlenvoys-gemma": ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"),
     "vlenvoys-exaone": ("Exaone4ForCausalLM", "ExaoneForCausalLM", "Olmo2ForCausalLM"),
-    "vlenvoys-neox": ("GPTNeoXForCausalLM", "GPTJForCausalLM"),
+    "vlenvoys-neox": ("GPTNeoXForCausalLM", "GPTJForCausalLM", "CohereForCausalLM"),
 }
 
 
 #: The standard names of vLLM's most common layout, a ``model.model`` backbone
 #: (Llama, Qwen, Mistral, Gemma, Granite, EXAONE 4): the default renames.
 BACKBONE_NAMES = {"model.layers": "layers", "model.norm": "ln_final", "model.embed_tokens": "embed_tokens"}
+#: `BACKBONE_NAMES` for a model that unembeds with its embedding module itself (no ``lm_head``
+#: child; vLLM's Gemma 2, Cohere): the embedding carries both names.
+TIED_BACKBONE_NAMES = {**BACKBONE_NAMES, "model.embed_tokens": ["embed_tokens", "lm_head"]}
 
 
 @dataclass(frozen=True, eq=False)

@@ -8,8 +8,8 @@ Default shapes: hidden 128, 4 query heads of head dim 32 (vLLM's CPU attention
 refuses head dim 16), 2 key/value heads where the
 architecture has grouped-query attention, MLP intermediate 256, 3 layers,
 vocabulary 512, 256 positions, float32. GPT-NeoX and GPT-J rotate a
-quarter of each head (partial rotary). OLMo 2's norm weights are drawn
-around 1, not left at transformers' ones. Architectures with interleaved
+quarter of each head (partial rotary). OLMo 2's and Cohere's norm weights
+are drawn around 1, not left at transformers' ones. Architectures with interleaved
 sliding-window layers (Gemma2, Gemma3, Exaone4) alternate sliding (window 16
 tokens) and full attention, so the longer :data:`PROMPTS` cross the window.
 Weights are drawn with std ``hidden_size ** -0.5`` instead of the usual 0.02
@@ -147,6 +147,10 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     # GPT-J: parallel block with one norm for both sublayers, 8 of each head's 32 dimensions rotated,
     # interleaved (GPT-J) style.
     "GPTJForCausalLM": _BASE | {"n_inner": 256, "rotary_dim": 8},
+    # Cohere (Command-R): parallel block under one bias-free LayerNorm, tied embeddings, q/k norms per
+    # head (Command-R+'s use_qk_norm), logits scaled by 0.5 (not the default 0.0625, which flattens
+    # the tiny model's next-token distributions); norm weights drawn around 1 (_norm_weights).
+    "CohereForCausalLM": _DECODER | {"use_qk_norm": True, "logit_scale": 0.5},
 }
 
 
@@ -165,7 +169,11 @@ def _norm_weights(model: Any) -> None:
 
 
 #: Weights drawn after the model's own initialisation, per architecture.
-_AFTER_INIT = {"GPTJForCausalLM": _gptj_unembedding_bias, "Olmo2ForCausalLM": _norm_weights}
+_AFTER_INIT = {
+    "GPTJForCausalLM": _gptj_unembedding_bias,
+    "Olmo2ForCausalLM": _norm_weights,
+    "CohereForCausalLM": _norm_weights,
+}
 
 
 def architectures() -> tuple[str, ...]:

@@ -25,7 +25,7 @@ declared here:
   Gemma 3); the neurons are read at each block's ``down_proj`` input.
 """
 
-from vlenvoys import BACKBONE_NAMES, Architecture, Attention, Family, FusedLayer, Mlp
+from vlenvoys import TIED_BACKBONE_NAMES, Architecture, Attention, Family, FusedLayer, Mlp
 
 from .version import __version__
 
@@ -33,7 +33,7 @@ __all__ = ["FAMILY", "Gemma2Attention", "Gemma2Layer", "Gemma2Mlp", "GemmaLayer"
 
 #: Gemma 2 ties its unembedding to the embedding module itself (no ``lm_head``
 #: child), so the embedding carries both names.
-GEMMA2_RENAME = {**BACKBONE_NAMES, "model.embed_tokens": ["embed_tokens", "lm_head"]}
+GEMMA2_RENAME = TIED_BACKBONE_NAMES
 
 
 class GemmaLayer(FusedLayer):

@@ -1,4 +1,4 @@
-"""vlenvoys-neox: GPT-NeoX (Pythia) and GPT-J on vLLM.
+"""vlenvoys-neox: GPT-NeoX (Pythia), GPT-J and Cohere (Command-R) on vLLM: the parallel blocks.
 
 Both rotate part of each head (``rotary_pct`` / ``rotary_dim``): the
 queries and keys are read as vLLM's attention kernel receives them, after
@@ -16,11 +16,21 @@ as ``attention.attn``. The config's ``use_parallel_residual`` chooses the
 block: parallel (Pythia: attention and MLP both read the block input) or
 sequential (the MLP reads the stream after the attention add,
 ``attn_output = attn_output + hidden_states`` in the forward).
+
+Cohere's vLLM block (``CohereDecoderLayer``, vLLM's own ``commandr.py``) is
+GPT-J's parallel block under Llama's names: ``input_layernorm`` (a LayerNorm
+without bias) feeds both ``self_attn`` (``qkv_proj``, per-head ``q_norm`` /
+``k_norm`` with ``use_qk_norm``, ``attn``, ``o_proj``) and the gated ``mlp``
+(``gate_up_proj``, ``down_proj``), and ``forward(positions, hidden_states,
+residual)`` returns ``(stream, layer input)``. It unembeds with
+``embed_tokens`` (no ``lm_head`` child), and its logits processor holds
+``logit_scale``, which `project_on_vocab` applies as the engine does.
 """
 
 from vllm.model_executor.models.gpt_j import GPTJAttention
 
 from vlenvoys import (
+    TIED_BACKBONE_NAMES,
     Architecture,
     Attention,
     ByConfig,
@@ -34,7 +44,7 @@ from vlenvoys import (
 
 from .version import __version__
 
-__all__ = ["FAMILY", "GPTJ", "NEOX", "__version__"]
+__all__ = ["COHERE", "FAMILY", "GPTJ", "NEOX", "__version__"]
 
 
 class GptjLayer(ParallelLayer):
@@ -51,6 +61,13 @@ class GptjAttention(Attention):
 class GptjMlp(Mlp):
     KIND = "plain"
     DOWN = "fc_out"
+
+
+class CohereLayer(ParallelLayer):
+    """``CohereDecoderLayer.forward(positions, hidden_states, residual) -> (stream, layer input)``."""
+
+    RETURNS_TUPLE = True
+    MLP_NORM = "input_layernorm"
 
 
 class NeoxParallelLayer(ParallelLayer, TransformersLayer):
@@ -86,6 +103,9 @@ GPTJ = Architecture(
     },
 )
 
+# Llama's attention and gated MLP (core's defaults); the embedding is also the unembedding.
+COHERE = Architecture(layer=CohereLayer, rename=TIED_BACKBONE_NAMES)
+
 _NEOX_NAMES = {
     "model.layers": "layers",
     "model.final_layer_norm": "ln_final",
@@ -105,6 +125,6 @@ NEOX = ByConfig(
 FAMILY = Family(
     name="neox",
     vllm=">=0.32,<0.33",
-    architectures={"GPTJForCausalLM": GPTJ},
+    architectures={"GPTJForCausalLM": GPTJ, "CohereForCausalLM": COHERE},
     transformers_backend={"GPTNeoXForCausalLM": NEOX},
 )
