@@ -665,6 +665,9 @@ def test_steered_generation_equals_steering_in_a_trace(subject):
     if eligible(model) is not None:
         with pytest.raises(NotImplementedError, match="steered generation"):
             vlenvoys.generate(model, prompts, params, steering=steering, use_tqdm=False)
+        # Unsteered, the same call generates.
+        plain = vlenvoys.generate(model, prompts, params, use_tqdm=False)
+        assert [len(output.outputs[0].token_ids) for output in plain] == [params.max_tokens] * len(prompts)
         return
     with pytest.raises(ValueError, match=r"expected shape"):
         vlenvoys.generate(model, prompts, params, steering=vlenvoys.Steering(1, vector[:-1]), use_tqdm=False)

@@ -49,7 +49,7 @@ class Unavailable(Exception):
     Not an AttributeError on purpose: a property that raises one falls
     through to the envoy's ``__getattr__``, which would blame the attribute
     instead of giving the reason. ``reason`` is one of the module constants (`DECODE_STEP`, `GATED`,
-    `ROUTED`, `PARALLEL`) or a reason a family declares; ``value`` names the value and
+    `ROUTED`, `NOT_ROUTED`, `FUSED_ROUTING`, `PARALLEL`) or a reason a family declares; ``value`` names the value and
     ``where`` the envoy class that was asked.
     """
 

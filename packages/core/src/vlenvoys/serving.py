@@ -46,6 +46,7 @@ range gets there) is left unsteered from then on, as under
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import math
@@ -491,6 +492,7 @@ def prepare(args: Any) -> None:
         FileNotFoundError: no checkpoint, or no ``--vectors`` file.
     """
     from .engine import _engine_defaults, architectures_of, config_of, worker_class
+    from .errors import UnknownArchitecture
     from .family import resolve
 
     if getattr(args, "model_tag", None):
@@ -504,7 +506,16 @@ def prepare(args: Any) -> None:
         raise ValueError("vLLM's transformers backend is not served: steering needs the family's block output")
     if args.worker_cls not in (None, "auto"):
         raise ValueError(f"--worker-cls {args.worker_cls}: vlenvoys serve runs its own worker")
-    resolve(architectures_of(args.model), backend=False, config=config_of(args.model))
+    try:
+        resolve(architectures_of(args.model), backend=False, config=config_of(args.model))
+    except UnknownArchitecture:
+        with contextlib.suppress(UnknownArchitecture):
+            resolve(architectures_of(args.model), backend=True, config=config_of(args.model))
+            raise ValueError(
+                f"{args.model}: its architecture is declared on vLLM's transformers backend alone, which vlenvoys "
+                "serve does not run (steering needs the family's block output); traces and vlenvoys.collect serve it"
+            ) from None
+        raise
     if args.vectors:
         from transformers import AutoConfig
 

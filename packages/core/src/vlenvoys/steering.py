@@ -209,12 +209,13 @@ def generate(
 
     _check_engine(model)
     prompts = _checked_prompts(prompts)
-    reason = eligible(model)
-    if reason is not None:
-        raise NotImplementedError(f"steered generation needs a block output it can write: {reason}")
     if steering is None or isinstance(steering, Steering):
         steering = [steering] * len(prompts)
     steering = list(steering)
+    reason = eligible(model)
+    if reason is not None and any(each is not None for each in steering):
+        # Plain generation needs no block output: it goes on where steering cannot.
+        raise NotImplementedError(f"steered generation needs a block output it can write: {reason}")
     if len(steering) != len(prompts):
         raise ValueError(f"steering: {len(steering)} entries for {len(prompts)} prompts")
     if sampling_params is None or isinstance(sampling_params, SamplingParams):

@@ -21,7 +21,7 @@ SHAPES = {
     "Experts": "[1, T, E]", "Routes": "[1, T, K]",
 }
 #: Named reasons by their text, for the `code` column.
-CODES = {getattr(errors, name): name for name in ("DECODE_STEP", "GATED", "ROUTED", "NOT_ROUTED", "FUSED_ROUTING")}
+CODES = {getattr(errors, name): name for name in ("DECODE_STEP", "GATED", "ROUTED", "NOT_ROUTED", "FUSED_ROUTING", "PARALLEL")}
 
 
 @dataclass(frozen=True)
