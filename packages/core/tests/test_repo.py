@@ -39,3 +39,15 @@ def test_every_package_is_its_own_versioned_distribution():
             entry = project["project"]["entry-points"]["vlenvoys.families"]
             assert list(entry) == [folder.removeprefix("family-")]
 
+
+
+def test_testing_builds_a_tiny_model_as_a_lone_file(tmp_path):
+    """compat/nnterp_side.py loads testing.py as a file, in a process without vLLM or vlenvoys."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("lone_testing", ROOT / "packages/core/src/vlenvoys/testing.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    path = Path(module.tiny_model("LlamaForCausalLM", tmp_path / "llama"))
+    assert json.loads((path / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]

@@ -289,7 +289,11 @@ def _build(
             f"vocab_size {config.vocab_size} < {len(tokenizer)} tokenizer tokens"
         )
 
-    from .oracle import built
+    try:
+        from .oracle import built
+    except ImportError:  # loaded as a lone file (compat/nnterp_side.py), where no vLLM ran
+        def built(make: Any) -> Any:
+            return make()
 
     def make() -> Any:
         torch.manual_seed(seed)
