@@ -8,7 +8,9 @@ figure is the median of its rounds. Rows:
 - plain vLLM: ``vllm serve`` with plain requests;
 - vlenvoys, plain: ``vlenvoys serve`` with the same plain requests;
 - vlenvoys, steered: every request steers two blocks with a named vector;
-- vlenvoys, half steered: every other request does.
+- vlenvoys, half steered: every other request does;
+- vlenvoys, capturing: every request also reads its prompt's residual stream
+  at two blocks back in the response (``capture``, float32, every position).
 
 The ratio is each row's tokens/s over plain vLLM's. On the CPU: the
 built-in SmolLM2-135M in float32, both engines eager. Where torch sees a GPU:
@@ -80,16 +82,22 @@ def stop(process: subprocess.Popen) -> None:
         process.wait(10)
 
 
-async def completions(url: str, model: str, texts: list[str], tokens: int, steer_every: int) -> int:
-    """All ``texts`` at once, greedy, ``tokens`` each; every ``steer_every``-th steered (0: none). Tokens generated."""
-    from openai import AsyncOpenAI
+#: A request's fields by what a row's requests do.
+FIELDS = {
+    "plain": {},
+    "steered": {"steering": [{"layer": 2, "vector": "bench", "factor": 2.0}, {"layer": 5, "vector": "bench", "factor": 2.0}]},
+    "capturing": {"capture": [{"value": "layer_output", "layers": [2, 5]}]},
+}
 
-    steering = [{"layer": 2, "vector": "bench", "factor": 2.0}, {"layer": 5, "vector": "bench", "factor": 2.0}]
+
+async def completions(url: str, model: str, texts: list[str], tokens: int, every: int, kind: str = "plain") -> int:
+    """All ``texts`` at once, greedy, ``tokens`` each; every ``every``-th does ``kind`` (`FIELDS`; 0: none). Tokens generated."""
+    from openai import AsyncOpenAI
 
     async def one(client, number, text):
         body = {"ignore_eos": True}
-        if steer_every and number % steer_every == 0:
-            body["steering"] = steering
+        if every and number % every == 0:
+            body.update(FIELDS[kind])
         answer = await client.completions.create(
             model=model, prompt=text, max_tokens=tokens, temperature=0.0, extra_body=body
         )
@@ -147,16 +155,17 @@ def main() -> None:
             folder / "vlenvoys.log",
         )
         rows = {
-            "plain vLLM (vllm serve)": ("vllm", 0),
-            "vlenvoys serve, plain": ("vlenvoys", 0),
-            "vlenvoys serve, every request steered (2 blocks)": ("vlenvoys", 1),
-            "vlenvoys serve, half steered": ("vlenvoys", 2),
+            "plain vLLM (vllm serve)": ("vllm", 0, "plain"),
+            "vlenvoys serve, plain": ("vlenvoys", 0, "plain"),
+            "vlenvoys serve, every request steered (2 blocks)": ("vlenvoys", 1, "steered"),
+            "vlenvoys serve, half steered": ("vlenvoys", 2, "steered"),
+            "vlenvoys serve, every request capturing (2 blocks' stream, every prompt position)": ("vlenvoys", 1, "capturing"),
         }
         rates: dict[str, list[float]] = {name: [] for name in rows}
         for round_number in range(options.rounds + 1):
-            for name, (server, every) in rows.items():
+            for name, (server, every, kind) in rows.items():
                 began = time.perf_counter()
-                generated = asyncio.run(completions(servers[server][1], "bench", texts, options.tokens, every))
+                generated = asyncio.run(completions(servers[server][1], "bench", texts, options.tokens, every, kind))
                 seconds = time.perf_counter() - began
                 if round_number:  # the first round warms both servers up
                     rates[name].append(generated / seconds)

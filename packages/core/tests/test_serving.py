@@ -78,7 +78,7 @@ def test_the_body_gets_the_spec_in_vllm_xargs_and_a_salt_of_its_steering():
     again = rewritten({**body, "cache_salt": "own"}, HIDDEN, LAYERS, torch.float32, Vectors())
     assert again["cache_salt"] == "own-" + new["cache_salt"]
     assert rewritten({"prompt": "x"}, HIDDEN, LAYERS, torch.float32, Vectors()) is None
-    for later in ({"capture": []}, {"vllm_xargs": {KEY: "{}"}}):
+    for later in ({"Capture": []}, {"steer": []}, {"vllm_xargs": {KEY: "{}"}}):
         with pytest.raises(SteeringError):
             rewritten({"prompt": "x", **later}, HIDDEN, LAYERS, torch.float32, Vectors())
 
@@ -107,3 +107,47 @@ def test_beam_search_is_refused_and_a_huge_vector_is_not_registered():
     with pytest.raises(SteeringError, match="norm is beyond float32's range"):
         vectors.add("big", [1e30] * HIDDEN, HIDDEN)
     assert "big" not in vectors.named
+
+
+def test_a_capture_field_is_checked_and_its_layers_counted_from_the_end():
+    from vlenvoys.capturing import _reads, capture_spec
+
+    made = capture_spec([{"value": "layer_output", "layers": [-1, 0]}, {"value": "attention_queries", "layers": "all",
+                                                                         "positions": [0, -1], "dtype": "bfloat16"}], 3)
+    assert made[0]["layers"] == [2, 0] and made[0]["positions"] == "all" and made[0]["dtype"] == "float32"
+    assert made[1]["layers"] == [0, 1, 2] and made[1]["owner"] == "self_attn"
+    # Forward order: by block, then as the block computes them (queries before the block's output).
+    assert _reads(made) == ((0, "self_attn", "attention_queries"), (0, "layer", "layer_output"),
+                            (1, "self_attn", "attention_queries"), (2, "self_attn", "attention_queries"),
+                            (2, "layer", "layer_output"))
+
+
+@pytest.mark.parametrize("field, reason", [
+    ([], "non-empty list"),
+    ({"value": "layer_output"}, "expected a block index"),
+    ({"value": "layer_output", "layers": [0, 0]}, "listed twice"),
+    ({"value": "layer_output", "layers": [True]}, "expected a block index"),
+    ({"value": "layer_output", "layers": 1, "positions": []}, "positions"),
+    ({"value": "layer_output", "layers": 1, "positions": [0.5]}, "positions"),
+    ([{"value": "layer_output", "layers": 1}] * 17, "at most 16"),
+])
+def test_a_capture_field_the_model_cannot_take_says_why(field, reason):
+    from vlenvoys.capturing import CaptureError, capture_spec
+
+    with pytest.raises(CaptureError, match=reason) as error:
+        capture_spec(field, 3)
+    assert error.value.param == "capture"
+
+
+def test_decode_checks_the_size_and_reads_every_dtype():
+    import base64
+
+    from vlenvoys.capturing import DTYPES, decode
+
+    values = torch.randn(2, 3, 4)
+    for name, dtype in DTYPES.items():
+        data = base64.b64encode(values.to(dtype).view(torch.uint8).numpy().tobytes()).decode()
+        entry = {"value": "layer_output", "dtype": name, "shape": [2, 3, 4], "data": data}
+        assert torch.equal(decode(entry), values.to(dtype))
+    with pytest.raises(ValueError, match="bytes of data"):
+        decode({**entry, "shape": [2, 3, 5]})

@@ -313,7 +313,20 @@ MALFORMED = [
     ({"steering": [{"layer": 0, "vector": "up"}] * 17}, "at most 16 are served"),
     ({"steering": [{"layer": 1, "vector": "up"}, {"layer": 1, "vector": "up"}]}, "block 1 is steered by two entries"),
     ({"steering": "up"}, "expected an entry"),
-    ({"capture": [{"value": "layer_output", "layer": 1}]}, "'capture' is not served yet"),
+    ({"capture": [{"value": "layer_output", "layer": 1}]}, "unknown keys ['layer']"),
+    ({"capture": [{"value": "layer_oops", "layers": 1}]}, "unknown value 'layer_oops'"),
+    ({"capture": [{"value": "layer_output", "layers": [3]}]}, "block 3 does not exist; the model has blocks 0 to 2"),
+    ({"capture": [{"value": "attention_probabilities", "layers": 1}]}, "is recomputed per request"),
+    ({"capture": [{"value": "mlp_router_logits", "layers": 1}]}, "is not served on"),
+    ({"capture": {"value": "layer_output", "layers": 1, "positions": "first"}}, "positions"),
+    ({"capture": {"value": "layer_output", "layers": 1, "dtype": "int8"}}, "dtype"),
+    ({"capture": {"value": "layer_output", "layers": 1}, "stream": True}, "drop stream"),
+    ({"capture": {"value": "layer_output", "layers": 1}, "n": 2}, "one choice a request"),
+    ({"capture": {"value": "layer_output", "layers": 1}, "prompt": ["a", "b"]}, "one prompt a request"),
+    ({"capture": {"value": "layer_output", "layers": 1, "positions": [0, 99]}}, "position 99 is outside the prompt's"),
+    ({"capture": [{"value": "layer_output", "layers": 1}, {"value": "layer_output", "layers": 2}]}, "by two entries"),
+    ({"vllm_xargs": {"vlenvoys_collect": "collect-x"}, "capture": {"value": "layer_output", "layers": 1}}, "set by the server"),
+    ({"Capture": {"value": "layer_output", "layers": 1}}, "unknown field 'Capture'"),
     ({"vllm_xargs": {"vlenvoys_steer": "{}"}}, "is set by the server"),
     ({"Steering": [{"layer": 1, "vector": "up"}]}, "unknown field 'Steering'"),
 ]
@@ -356,6 +369,11 @@ def test_steering_set_by_hand_on_another_path_is_refused(subject, server, prompt
                             json={**request, **({"cache_salt": salt} if salt else {})})
         assert answer.status_code == 400, answer.text
         assert "is the server's own" in answer.text
+    # A collector named by hand: its rows would stay on the engine, as nobody would take them.
+    for extra in ({"vlenvoys_collect": "collect-0"}, {"vlenvoys_collect": "collect-0", "vlenvoys_collect_id": "x"}):
+        answer = httpx.post(f"{server['url']}/inference/v1/generate", headers=headers, timeout=60,
+                            json={**request, "sampling_params": {"max_tokens": 2, "extra_args": extra}})
+        assert answer.status_code == 400 and "capture with the 'capture' field" in answer.text, answer.text
     salted = httpx.post(f"{server['url']}/inference/v1/generate", headers=headers, timeout=60,
                         json={**request, "cache_salt": salt_of(spec)})
     assert salted.status_code == 200, "the salt the middleware gives lets it through (it is then what a steered request is)"
@@ -411,30 +429,36 @@ def server_memory(server) -> int:
 
 
 def test_a_soak_of_mixed_concurrent_requests_loses_none(server, prompts):
-    """240 requests at once, a third plain, a third steered inline, a third by name, a few malformed: every one answered."""
+    """240 requests at once, plain, steered inline, steered by name, capturing, a few malformed: every one answered."""
     from openai import AsyncOpenAI, BadRequestError
 
     inline = vector_of(7).tolist()
 
     def kind_of(number):
-        return ("plain", "inline", "named", "bad")[number % 4] if number % 20 else "bad"
+        return ("plain", "inline", "named", "captured", "bad")[number % 5] if number % 21 else "bad"
 
     async def one(client, number):
         kind = kind_of(number)
         steer = {"plain": None, "inline": [{"layer": 0, "vector": inline, "positions": "generated"}],
-                 "named": [{"layer": 2, "vector": "down", "factor": 0.5}],
+                 "named": [{"layer": 2, "vector": "down", "factor": 0.5}], "captured": None,
                  "bad": [{"layer": 1, "vector": "nobody"}]}[kind]
         body = {"ignore_eos": True, **({"steering": steer} if steer else {})}
+        if kind == "captured":
+            body["capture"] = [{"value": "layer_output", "layers": [number % 3], "positions": "last"}]
+        stream = number % 3 == 0 and kind != "captured"
         try:
             answer = await client.completions.create(
                 model=server["model"], prompt=prompts[number % len(prompts)], max_tokens=4, temperature=0.0,
-                extra_body=body, stream=number % 3 == 0,
+                extra_body=body, stream=stream,
             )
         except BadRequestError:
             return kind, "400"
-        if number % 3 == 0:
+        if stream:
             return kind, "".join([chunk.choices[0].text async for chunk in answer])
         assert answer.usage.completion_tokens == 4
+        if kind == "captured":
+            (entry,) = answer.model_extra["capture"]
+            return kind, (answer.choices[0].text, entry["data"])
         return kind, answer.choices[0].text
 
     async def soak(count):
@@ -454,3 +478,83 @@ def test_a_soak_of_mixed_concurrent_requests_loses_none(server, prompts):
     record("LlamaForCausalLM (vlenvoys serve)", "soak: second round's memory growth, MiB", grown / 2**20)
     assert grown < 256 * 2**20, f"the server grew by {grown / 2**20:.0f} MiB over a second round of 240 requests"
 
+
+
+def traced_values(model, ids, reads, steer=None):
+    """A trace's reads of ``ids``' prompt, ``{(value, layer): [1, tokens, ...]}``, with ``model.steer(*steer)`` first."""
+    from vlenvoys.oracle import VALUES
+
+    order = {name: number for number, (_, name) in enumerate(VALUES)}
+    owners = dict((name, owner) for owner, name in VALUES)
+    with model.trace(ids, temperature=0.0, max_tokens=1):
+        if steer is not None:
+            model.steer(*steer)
+        got = dict().save()
+        for value, layer in sorted(reads, key=lambda read: (read[1], order[read[0]])):
+            block = model.layers[layer]
+            got[value, layer] = getattr(block if owners[value] == "layer" else getattr(block, owners[value]), value).save()
+    return got
+
+
+def assert_same_values(got, want, what, exact):
+    """Bit-identical where both runs have the same kernels (the CPU engine, no steering); else the oracle's bound."""
+    from vlenvoys.conformance import host
+
+    want = host(want).to(got.dtype)
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    difference = float(((got.float() - want.float()).abs() / want.float().abs().clamp_min(1.0)).max())
+    if exact:
+        assert torch.equal(got, want), f"{what}: {difference} apart, expected bit-identical"
+        return
+    record("LlamaForCausalLM (vlenvoys serve)", f"capture: {what} (relative)", difference)
+    bound = TOLERANCE if got.dtype == torch.float32 else 1e-2  # bfloat16: one rounding of float32 values equal within TOLERANCE
+    assert difference <= bound, f"{what}: {difference} apart"
+
+
+def exact_here():
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+@on_llama
+def test_captured_values_equal_a_traces_reads(subject, server, client):
+    """Three values (the stream at every block, head-split queries, an MLP output) of two prompts, in their layouts."""
+    from vlenvoys.capturing import decode
+
+    capture = [{"value": "layer_output", "layers": "all"}, {"value": "attention_queries", "layers": [1]},
+               {"value": "mlp_output", "layers": [-1, 0], "positions": [0, -1]}]
+    for ids in subject.prompts[:2]:
+        answer = client.completions.create(model=server["model"], prompt=ids, max_tokens=2, temperature=0.0,
+                                           extra_body={"capture": capture})
+        assert answer.usage.completion_tokens == 2
+        entries = answer.model_extra["capture"]
+        assert [entry["value"] for entry in entries] == ["layer_output", "attention_queries", "mlp_output"]
+        want = traced_values(subject.model, ids, [("layer_output", layer) for layer in range(3)]
+                             + [("attention_queries", 1), ("mlp_output", 2), ("mlp_output", 0)])
+        for entry in entries:
+            got = decode(entry)
+            assert entry["prompt_tokens"] == len(ids)
+            rows = [want[entry["value"], layer][0, entry["positions"]] for layer in entry["layers"]]
+            assert entry["positions"] == (list(range(len(ids))) if entry["value"] != "mlp_output" else [0, len(ids) - 1])
+            assert_same_values(got, torch.stack([row.cpu() for row in rows]), entry["value"], exact_here())
+        assert list(decode(entries[1]).shape[2:]) == [4, 32], "queries come split by head: [heads, head_dim]"
+
+
+@on_llama
+def test_a_steered_chat_captures_its_steered_run(subject, server, client):
+    """Chat, steered at block 0, captures block 2's stream at its last prompt position in bfloat16: as a steered trace."""
+    from vlenvoys.capturing import decode
+
+    messages = [{"role": "user", "content": "The Eiffel Tower is in"}]
+    body = {"return_token_ids": True, "steering": [{"layer": 0, "vector": "up", "factor": 2.0}],
+            "capture": {"value": "layer_output", "layers": 2, "positions": "last", "dtype": "bfloat16"}}
+    answer = client.chat.completions.create(model=server["model"], messages=messages, max_tokens=2,
+                                            temperature=0.0, extra_body=body)
+    ids = list(answer.prompt_token_ids)
+    (entry,) = answer.model_extra["capture"]
+    assert entry["positions"] == [len(ids) - 1] and entry["dtype"] == "bfloat16"
+    want = traced_values(subject.model, ids, [("layer_output", 2)], steer=(0, vector_of(1), 2.0))
+    assert_same_values(decode(entry), want["layer_output", 2][0, -1:].cpu().unsqueeze(0), "steered, bfloat16", False)
+    plain = traced_values(subject.model, ids, [("layer_output", 2)])["layer_output", 2][0, -1:].cpu()
+    assert not torch.allclose(decode(entry).float()[0], plain, atol=0.1), "the steering must show in the capture"

@@ -32,10 +32,18 @@ import torch
 from . import handover
 from .handover import Arena, Piece
 
-__all__ = ["KEY", "Collector", "count", "eligible", "new_name", "split", "start", "step_spans", "stop", "received", "take"]
+__all__ = [
+    "ID_KEY", "KEY", "Collector", "count", "eligible", "new_name", "split", "start", "start_checked", "step_spans",
+    "stop", "received", "take",
+]
 
 #: ``SamplingParams.extra_args`` key whose value names the collector that reads the request.
 KEY = "vlenvoys_collect"
+#: ``SamplingParams.extra_args`` key of the id the caller takes the request's values by, where it
+#: cannot know the engine's request id (`vlenvoys serve`: vLLM's server names its requests itself).
+ID_KEY = "vlenvoys_collect_id"
+#: How many ids taken before their request was admitted a collector remembers (to ignore that request).
+FORGOTTEN = 4096
 
 #: (layer, owner, value): one read; owner is "layer", "self_attn" or "mlp".
 Read = tuple[int, str, str]
@@ -76,6 +84,8 @@ class Collector:
         self.prompts: dict[str, int] = {}
         #: the caller's request id -> the engine's (vLLM suffixes ids on the way in).
         self.engine_ids: dict[str, str] = {}
+        #: caller ids taken before their request came (a server's request aborted early): not admitted then.
+        self.forgotten: dict[str, None] = {}
         #: request id -> value key -> where its rows read so far lie, in step order (`handover.Piece`).
         self.rows: dict[str, dict[str, list[Piece]]] = {}
         #: request id -> value key -> how many rows were read.
@@ -147,13 +157,18 @@ class Collector:
                 mine.append((request, start, count))
         return mine
 
-    def admit(self, request: str, prompt_length: int) -> None:
+    def admit(self, request: str, prompt_length: int, caller_id: str | None = None) -> None:
+        """Read ``request``'s prompt rows from now on; the caller takes them by ``caller_id``
+        (`ID_KEY`), or by the id it gave the engine (``request`` less vLLM's suffix)."""
         from nnsight.modeling.vllm.model_runners.GPUModelRunner import Request
 
+        caller_id = Request(request).stem if caller_id is None else caller_id
+        if self.forgotten.pop(caller_id, False) is None:
+            return  # its caller has gone: nobody would take its rows
         self.prompts[request] = prompt_length
         self.rows[request] = {}
         self.seen[request] = {}
-        self.engine_ids[Request(request).stem] = request
+        self.engine_ids[caller_id] = request
 
     def take(self, requests: Sequence[str]) -> dict[str, Any]:
         """Finished requests' values, handed over (`vlenvoys.handover`): where each request's rows lie.
@@ -170,6 +185,11 @@ class Collector:
         # before the sampling its outputs waited for), so these waits return at once: unlike a synchronize of the
         # stream, they do not wait for the step the engine has queued since (asynchronous scheduling).
         engine_ids = [self.engine_ids.pop(caller_id, caller_id) for caller_id in requests]
+        for caller_id, request in zip(requests, engine_ids, strict=True):
+            if request not in self.prompts:  # not admitted (yet): if it comes later, it is not read
+                self.forgotten[caller_id] = None
+        while len(self.forgotten) > FORGOTTEN:
+            del self.forgotten[next(iter(self.forgotten))]
         events = (self.copied.pop(request, None) for request in engine_ids)
         for event in {id(event): event for event in events if event is not None}.values():
             event.synchronize()
@@ -208,6 +228,7 @@ class Collector:
         self.rows.clear()
         self.seen.clear()
         self.engine_ids.clear()
+        self.forgotten.clear()
         self.copied.clear()
 
 
@@ -220,9 +241,10 @@ def step_spans(runner: Any, scheduler_output: Any) -> list[tuple[str, int, int]]
     collectors = getattr(runner, "vlenvoys_collectors", None)
     if collectors:
         for data in scheduler_output.scheduled_new_reqs:
-            name = (getattr(data.sampling_params, "extra_args", None) or {}).get(KEY)
+            extra = getattr(data.sampling_params, "extra_args", None) or {}
+            name = extra.get(KEY)
             if name in collectors:
-                collectors[name].admit(data.req_id, len(data.prompt_token_ids))
+                collectors[name].admit(data.req_id, len(data.prompt_token_ids), extra.get(ID_KEY))
     tokens = scheduler_output.num_scheduled_tokens
     spans, start = [], 0
     for request in runner.input_batch.req_ids:
@@ -266,6 +288,30 @@ def start(worker: Any, name: str, reads: list[Read]) -> str:
     """Install a collector named ``name`` for ``reads``."""
     _collectors(worker)[name] = Collector(worker.model_runner, reads, name)
     return name
+
+
+def start_checked(worker: Any, name: str, reads: list[Read]) -> dict[str, Any]:
+    """Install a collector for ``reads`` if the model serves each of them on this path.
+
+    Returns ``{"refused": why}`` (a value the family does not serve, or one no
+    hook per module can read), or ``{"head_dims": {key: head_dim or None}}``:
+    the width a head-split value's rows are cut by (`vlenvoys serve`, which has
+    no envoy tree of its own to learn the layouts from).
+    """
+    model = worker.model_runner.nnsight_model
+    head_dims = {}
+    for read in reads:
+        envoy, value = _descriptor(model, read)
+        why = getattr(envoy, "unavailable", lambda name: None)(read[2])
+        if why is None:
+            why = eligible(model, [read])
+            if why is not None:
+                return {"refused": f"{why}: capture reads values one hook per module per step"}
+        else:
+            return {"refused": f"{read[2]} is not served on {type(envoy).__name__}: {why}"}
+        head_dims[f"{read[2]}.{read[0]}"] = value._head_dim(envoy)
+    start(worker, name, reads)
+    return {"head_dims": head_dims}
 
 
 def take(worker: Any, name: str, requests: list[str]) -> dict[str, Any]:

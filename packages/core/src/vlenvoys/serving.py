@@ -36,7 +36,10 @@ salt. A field the model cannot take is a 400 naming the reason
 (OpenAI's error shape, ``param`` ``"steering"``), before the request reaches
 the engine; the server goes on serving.
 
-Not served yet: ``capture`` (a 400 saying so). A steered row the engine
+A request may also capture standard values of its prompt (a ``capture``
+field, returned in the response's ``capture``): see `vlenvoys.capturing`.
+
+A steered row the engine
 still finds non-finite (the checks here bound the scaled vector as
 `vlenvoys.Steering.encode` does, so only a stream already near the dtype's
 range gets there) is left unsteered from then on, as under
@@ -72,12 +75,8 @@ MAX_VECTORS = 4096
 ENTRY_KEYS = frozenset({"value", "layer", "vector", "factor", "positions"})
 #: The most entries a request's steering may have (each distinct vector takes a slot on the engine).
 MAX_ENTRIES = 16
-#: Requests' fields served by a later increment.
-LATER = ("capture",)
-
-
 class SteeringError(ValueError):
-    """A request's ``steering`` (or named vector) the model cannot take: an HTTP 400 with this message."""
+    """A request's ``steering`` (or named vector, or ``capture``) the model cannot take: an HTTP 400 with this message."""
 
     def __init__(self, message: str, param: str = "steering") -> None:
         super().__init__(message)
@@ -259,18 +258,16 @@ def rewritten(body: dict, hidden_size: int, num_layers: int, dtype: torch.dtype,
     """The request body with its ``steering`` turned into ``vllm_xargs`` and a cache salt; None if it has none.
 
     Raises:
-        SteeringError: see `steering_spec`; also a ``capture`` field (served
-            later), or ``vllm_xargs`` naming vlenvoys' own key.
+        SteeringError: see `steering_spec`; also ``vllm_xargs`` naming vlenvoys' own key,
+            or a field named almost as ``steering`` or ``capture``.
     """
     from .steering import KEY
 
-    for field in LATER:
-        if field in body:
-            raise SteeringError(f"{field!r} is not served yet by vlenvoys serve (steering is)", field)
     for field in body:
         # vLLM ignores fields it does not know: a misspelt steering would generate unsteered without a word.
-        if field != "steering" and isinstance(field, str) and field.lower().startswith("steer"):
-            raise SteeringError(f"unknown field {field!r}; a request steers with the field 'steering'", field)
+        for known, verb in (("steering", "steers"), ("capture", "captures")):
+            if field != known and isinstance(field, str) and field.lower().startswith(known[:5]):
+                raise SteeringError(f"unknown field {field!r}; a request {verb} with the field {known!r}", field)
     xargs = body.get("vllm_xargs")
     if isinstance(xargs, dict) and KEY in xargs:
         raise SteeringError(f"vllm_xargs[{KEY!r}] is set by the server; steer with the request's 'steering' field", "vllm_xargs")
@@ -311,19 +308,29 @@ def guard(engine_client: Any) -> None:
 
     Raises (for the request, which vLLM answers with an error; the engine goes on):
         VLLMValidationError: ``extra_args`` holding `vlenvoys.steering.KEY`
-            with a cache salt that does not end in the spec's.
+            with a cache salt that does not end in the spec's; or naming a
+            collector (`vlenvoys.collector.KEY`) other than by a capture of this
+            server's (whose values nobody would take, and the engine would keep).
     """
     core = getattr(engine_client, "engine_core", None)
     if core is None or getattr(core, "vlenvoys_guarded", False):
         return
     from vllm.exceptions import VLLMValidationError
 
+    from . import collector
+    from .capturing import PENDING
     from .steering import KEY
 
     add = core.add_request_async
 
     async def add_request_async(request: Any) -> Any:
         extra = getattr(request.sampling_params, "extra_args", None) or {}
+        if (collector.KEY in extra or collector.ID_KEY in extra) and extra.get(collector.ID_KEY) not in PENDING:
+            raise VLLMValidationError(
+                f"extra_args[{collector.KEY!r}] is the server's own; capture with the 'capture' field of "
+                f"{' or '.join(GENERATING)}",
+                parameter="vllm_xargs",
+            )
         if KEY in extra:
             spec, salt = extra[KEY], request.cache_salt
             if not (isinstance(spec, str) and isinstance(salt, str) and salt.endswith(salt_of(spec))):
@@ -362,6 +369,7 @@ class SteeringMiddleware:
         self.vectors = VECTORS
         self.shape: tuple[int, int, torch.dtype] | None = None
         self.guard: Any = None
+        self.captures: Any = None
 
     def _start(self, app: Any) -> None:
         if self.shape is not None:
@@ -369,6 +377,10 @@ class SteeringMiddleware:
         guard(app.state.engine_client)
         config = app.state.vllm_config.model_config
         self.shape = (int(config.get_hidden_size()), int(config.hf_text_config.num_hidden_layers), config.dtype)
+        from .capturing import Captures
+
+        ranks = app.state.vllm_config.parallel_config.world_size
+        self.captures = Captures(app.state.engine_client, self.shape[1], ranks)
         args = app.state.args
         from vllm import envs
 
@@ -418,6 +430,9 @@ class SteeringMiddleware:
             if isinstance(parsed, dict) and "steering" in parsed and path not in GENERATING:
                 raise SteeringError(f"steering is served on {' and '.join(GENERATING)}, not on {path}")
             new = rewritten(parsed, *self.shape, self.vectors) if isinstance(parsed, dict) else None
+            ticket = None
+            if isinstance(parsed, dict) and "capture" in parsed:
+                new, ticket = await self.captures.admit(parsed if new is None else new, path)
         except SteeringError as error:
             return await _error(str(error), error.param)(scope, receive, send)
         if new is not None:
@@ -433,7 +448,35 @@ class SteeringMiddleware:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
-        return await self.app(scope, replay, send)
+        if ticket is None:
+            return await self.app(scope, replay, send)
+        return await self._captured(scope, replay, send, ticket)
+
+    async def _captured(self, scope: dict, receive: Any, send: Any, ticket: Any) -> None:
+        """Run a capturing request and send its response with the values added (`vlenvoys.capturing`)."""
+        start: dict | None = None
+        parts: list[bytes] = []
+
+        async def keep(message: dict) -> None:
+            nonlocal start
+            if message["type"] == "http.response.start":
+                start = message
+            elif message["type"] == "http.response.body":
+                parts.append(message.get("body", b""))
+            else:
+                await send(message)
+
+        try:
+            await self.app(scope, receive, keep)
+        except BaseException:
+            await self.captures.respond(ticket, 500, b"")  # its values leave the engine all the same
+            raise
+        status, body = await self.captures.respond(ticket, start["status"] if start else 500, b"".join(parts))
+        if start is None:
+            return None
+        headers = [(key, value) for key, value in start.get("headers", []) if key.lower() != b"content-length"]
+        await send({**start, "status": status, "headers": [*headers, (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
 
     def _register(self, body: bytes) -> Any:
         try:

@@ -526,6 +526,11 @@ class StandardWorker:
 
         return collector.start(self, name, reads)
 
+    def vlenvoys_collect_start_checked(self, name: str, reads: list) -> dict:
+        from .. import collector
+
+        return collector.start_checked(self, name, reads)
+
     def vlenvoys_collect_take(self, name: str, requests: list) -> tuple:
         from .. import collector
 

@@ -1,0 +1,323 @@
+"""Capture in ``vlenvoys serve``: standard values of a request's prompt, returned in its response.
+
+A completion or chat completion may carry a top-level ``capture`` field::
+
+    "capture": [{"value": "layer_output", "layers": [0, 2], "positions": "all", "dtype": "float32"}]
+
+and its (non-streamed) response gets a top-level ``capture`` list, one entry
+per requested one, in the same order::
+
+    {"value": "layer_output", "layers": [0, 2], "positions": [0, 1, ...], "prompt_tokens": 7,
+     "dtype": "float32", "shape": [2, 7, 128], "data": "<base64>"}
+
+``data`` is the base64 of the values' bytes in C order, ``shape`` ``[layers,
+positions, *row]``, where a row is the value's layout less its batch and
+token axes (``[hidden_size]`` for the residual stream, ``[heads, head_dim]``
+for queries, keys and head outputs, ``[intermediate_size]`` for neurons). In
+Python: ``torch.frombuffer(bytearray(base64.b64decode(data)),
+dtype=torch.float32).view(shape)``, which `decode` does for any of the dtypes;
+numpy reads float32 and float16 the same way (``numpy.frombuffer(...).reshape(shape)``).
+
+Values are the prompt's (the prefill): ``positions`` is ``"all"`` (default),
+``"last"``, or a list of prompt positions (0 is the first token; negative ones
+count from the prompt's end). ``layers`` is a block index, a list of them
+(negative ones count from the end), or ``"all"``. ``dtype``: ``float32``
+(default), ``bfloat16`` or ``float16``, cast from the model's dtype. Each value
+is read as `vlenvoys.collect` reads it, one hook per module per step over the
+whole batch, so it equals a trace's read of the same prompt (bit-identical on
+the CPU engine); a request that is also steered captures its steered run.
+
+A request that asks for a value the model does not serve (by its family, or
+not at a module boundary: attention patterns are recomputed per request), a
+block that does not exist, streaming, several prompts or choices (``n``), or
+beam search is a 400 before it reaches the engine. A position outside the
+prompt, or more than `MAX_BYTES` of values, is known only once the prompt ran:
+the response is then a 400 naming it (its completion is not returned). The
+request runs with a cache salt of its own, so no cached prefix skips the rows
+it reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import uuid
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from .serving import GENERATING, SteeringError, salt_of
+
+__all__ = ["DTYPES", "MAX_BYTES", "CaptureError", "Captures", "capture_spec", "decode"]
+
+#: An entry's keys.
+ENTRY_KEYS = frozenset({"value", "layers", "positions", "dtype"})
+#: The dtypes values are returned in.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: The most values a response carries, in bytes before base64 (a third more after).
+MAX_BYTES = 64 << 20
+#: The most entries a request's capture may have.
+MAX_ENTRIES = 16
+#: Collectors (one per distinct set of reads) kept on the engine; the least recently used idle one goes beyond.
+MAX_COLLECTORS = 32
+#: Capture ids of requests on their way to the engine from this server (`guard` lets only these name a collector).
+PENDING: set[str] = set()
+
+
+class CaptureError(SteeringError):
+    """A request's ``capture`` field the model cannot serve: an HTTP 400 with this message."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "capture")
+
+
+def capture_spec(field: Any, num_layers: int) -> list[dict]:
+    """A request's ``capture`` field, checked: each entry as ``{value, owner, layers, positions, dtype}``.
+
+    ``layers`` are block indices in ``range(num_layers)``; ``positions`` is
+    ``"all"``, ``"last"`` or a list of ints (checked against the prompt later).
+
+    Raises:
+        CaptureError: an unknown value or key, a block that does not exist, a
+            bad positions or dtype, one value in two entries, more than
+            `MAX_ENTRIES` entries.
+    """
+    from .oracle import VALUES
+
+    owners = {name: owner for owner, name in VALUES}
+    entries = [field] if isinstance(field, dict) else field
+    if not isinstance(entries, list) or not entries:
+        raise CaptureError("capture: expected an entry {value, layers, positions, dtype} or a non-empty list of them")
+    if len(entries) > MAX_ENTRIES:
+        raise CaptureError(f"capture: {len(entries)} entries, at most {MAX_ENTRIES} are served")
+    made, seen = [], set()
+    for number, entry in enumerate(entries):
+        where = f"capture[{number}]"
+        if not isinstance(entry, dict):
+            raise CaptureError(f"{where}: expected an object {{value, layers, positions, dtype}}")
+        unknown = sorted(set(entry) - ENTRY_KEYS)
+        if unknown:
+            raise CaptureError(f"{where}: unknown keys {unknown}; an entry has {sorted(ENTRY_KEYS)}")
+        value = entry.get("value")
+        if value not in owners:
+            raise CaptureError(f"{where}: unknown value {value!r}; the standard values are {', '.join(owners)}")
+        if value in seen:
+            raise CaptureError(f"{where}: {value!r} is captured by two entries (list its layers in one)")
+        seen.add(value)
+        layers = entry.get("layers")
+        if layers == "all":
+            layers = list(range(num_layers))
+        elif isinstance(layers, int) and not isinstance(layers, bool):
+            layers = [layers]
+        if not isinstance(layers, list) or not layers or not all(
+            isinstance(each, int) and not isinstance(each, bool) for each in layers
+        ):
+            raise CaptureError(f"{where}.layers: expected a block index, a non-empty list of them or \"all\", got {layers!r}")
+        for layer in layers:
+            if not -num_layers <= layer < num_layers:
+                raise CaptureError(f"{where}.layers: block {layer} does not exist; the model has blocks 0 to {num_layers - 1}")
+        layers = [layer % num_layers for layer in layers]
+        if len(set(layers)) != len(layers):
+            raise CaptureError(f"{where}.layers: a block is listed twice in {entry['layers']!r}")
+        positions = entry.get("positions", "all")
+        if not (positions in ("all", "last") or (isinstance(positions, list) and positions and all(
+            isinstance(each, int) and not isinstance(each, bool) for each in positions
+        ))):
+            raise CaptureError(f"{where}.positions: expected \"all\", \"last\" or a non-empty list of prompt positions, got {positions!r}")
+        dtype = entry.get("dtype", "float32")
+        if dtype not in DTYPES:
+            raise CaptureError(f"{where}.dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
+        made.append({"value": value, "owner": owners[value], "layers": layers, "positions": positions, "dtype": dtype})
+    return made
+
+
+def _reads(entries: list[dict]) -> tuple[tuple[int, str, str], ...]:
+    """The entries' reads in forward order (by block, then as the block computes them), as `vlenvoys.collect` has them."""
+    from .oracle import VALUES
+
+    order = {name: number for number, (_, name) in enumerate(VALUES)}
+    reads = {(layer, entry["owner"], entry["value"]) for entry in entries for layer in entry["layers"]}
+    return tuple(sorted(reads, key=lambda read: (read[0], order[read[2]])))
+
+
+def _one_request(body: dict, path: str) -> None:
+    """Refuse what would make a capture's values ambiguous or missing: one prompt, one choice, whole responses."""
+    if path not in GENERATING:
+        raise CaptureError(f"capture is served on {' and '.join(GENERATING)}, not on {path}")
+    if body.get("stream"):
+        raise CaptureError("capture returns the values with the whole response: drop stream")
+    if body.get("n") not in (None, 1) or body.get("best_of") not in (None, 1) or body.get("use_beam_search"):
+        raise CaptureError("capture serves one choice a request: drop n, best_of and use_beam_search")
+    prompt = body.get("prompt")
+    several = isinstance(prompt, list) and prompt and not all(isinstance(each, int) for each in prompt) and len(prompt) > 1
+    if several:
+        raise CaptureError("capture serves one prompt a request: send the prompts as requests of their own")
+    xargs = body.get("vllm_xargs")
+    if isinstance(xargs, dict) and any(key.startswith("vlenvoys_collect") for key in xargs):
+        raise CaptureError("vllm_xargs' vlenvoys_collect keys are set by the server; capture with the 'capture' field")
+
+
+class _Collector:
+    """A collector installed on the engine for one set of reads."""
+
+    def __init__(self, name: str, head_dims: dict[str, int | None]) -> None:
+        self.name = name
+        self.head_dims = head_dims
+        #: One take at a time: each maps and copies what it was handed before the next tells the worker it may reuse it.
+        self.lock = asyncio.Lock()
+        self.users = 0
+
+
+class Captures:
+    """The server's side of capture: collectors on the engine by set of reads, and each request's values.
+
+    Args:
+        engine_client: vLLM's engine client in the API server (``app.state.engine_client``).
+        num_layers: The model's block count.
+        ranks: The engine's world size (capture serves one rank).
+    """
+
+    def __init__(self, engine_client: Any, num_layers: int, ranks: int) -> None:
+        self.engine = engine_client
+        self.num_layers = num_layers
+        self.ranks = ranks
+        self.collectors: OrderedDict[tuple, _Collector | str] = OrderedDict()
+        self.starting = asyncio.Lock()
+
+    async def admit(self, body: dict, path: str) -> tuple[dict, Any]:
+        """The body with its ``capture`` turned into ``vllm_xargs`` and a cache salt of its own, and the ticket
+        `respond` takes its values by.
+
+        Raises:
+            CaptureError: see `capture_spec` and the module's docstring.
+        """
+        from .collector import ID_KEY, KEY
+        from .steering import KEY as STEER_KEY
+
+        _one_request(body, path)
+        if self.ranks > 1:
+            raise CaptureError(f"capture serves a one-rank engine; this one runs on {self.ranks} ranks")
+        entries = capture_spec(body["capture"], self.num_layers)
+        reads = _reads(entries)
+        collector = await self._collector(reads)
+        ticket = uuid.uuid4().hex
+        body = {key: value for key, value in body.items() if key != "capture"}
+        xargs = body["vllm_xargs"] = {**(body.get("vllm_xargs") or {}), KEY: collector.name, ID_KEY: ticket}
+        # A salt of its own, shared with no request (so no cached prefix skips the forward over rows it
+        # reads), ending in its steering's where it is steered (`serving.guard` looks for that); vLLM
+        # takes 128 characters at most, so the user's salt, needless now, is dropped.
+        steered = xargs.get(STEER_KEY)
+        body["cache_salt"] = f"capture-{ticket}" + (f"-{salt_of(steered)}" if isinstance(steered, str) else "")
+        collector.users += 1
+        PENDING.add(ticket)
+        return body, (collector, ticket, entries)
+
+    async def _collector(self, reads: tuple) -> _Collector:
+        from .collector import new_name
+
+        async with self.starting:
+            known = self.collectors.get(reads)
+            if isinstance(known, str):
+                raise CaptureError(known)
+            if known is not None:
+                self.collectors.move_to_end(reads)
+                return known
+            name = new_name()
+            (answer, *_) = await self.engine.collective_rpc("vlenvoys_collect_start_checked", args=(name, list(reads)))
+            if "refused" in answer:
+                self.collectors[reads] = answer["refused"]
+                raise CaptureError(answer["refused"])
+            made = self.collectors[reads] = _Collector(name, answer["head_dims"])
+            await self._evict()
+            return made
+
+    async def _evict(self) -> None:
+        idle = [reads for reads, each in self.collectors.items() if isinstance(each, str) or each.users == 0]
+        while len(self.collectors) > MAX_COLLECTORS and idle:
+            gone = self.collectors.pop(idle.pop(0))
+            if isinstance(gone, _Collector):
+                await self.engine.collective_rpc("vlenvoys_collect_stop", args=(gone.name,))
+
+    async def respond(self, ticket: Any, status: int, body: bytes) -> tuple[int, bytes]:
+        """The response's status and body with the request's values added (or a 400 naming why it has none).
+
+        Always takes the request's values off the engine, whatever the response: nothing is left behind.
+        """
+        import json
+
+        collector, name, entries = ticket
+        try:
+            async with collector.lock:
+                (packed, *_) = await self.engine.collective_rpc("vlenvoys_collect_take", args=(collector.name, [name]))
+                values = _values(packed, name, collector.head_dims, entries) if status == 200 else None
+        finally:
+            collector.users -= 1
+            PENDING.discard(name)
+        if status != 200:
+            return status, body
+        if isinstance(values, str):
+            return 400, _error_body(values)
+        answer = json.loads(body)
+        answer["capture"] = values
+        return status, json.dumps(answer).encode()
+
+
+def _values(packed: dict, name: str, head_dims: dict, entries: list[dict]) -> list[dict] | str:
+    """Each entry's values, copied out of the engine's blocks and encoded; or why the request has none."""
+    from .collector import received
+
+    taken = received(packed)
+    if name in taken["missing"]:
+        return f"capture: {taken['missing'][name]}"
+    rows = {key: each[0] for key, each in taken["values"].items()}
+    out, total = [], 0
+    for entry in entries:
+        first = rows[f"{entry['value']}.{entry['layers'][0]}"]
+        length = first.shape[0]
+        positions = entry["positions"]
+        chosen = list(range(length)) if positions == "all" else [length - 1] if positions == "last" else positions
+        outside = [position for position in chosen if not -length <= position < length]
+        if outside:
+            return f"capture: position {outside[0]} is outside the prompt's {length} tokens (0 to {length - 1})"
+        chosen = [position % length for position in chosen]
+        index = torch.tensor(chosen, dtype=torch.long)
+        picked = []
+        for layer in entry["layers"]:
+            key = f"{entry['value']}.{layer}"
+            each = rows[key].index_select(0, index)  # a copy: the engine may reuse its block after
+            if head_dims.get(key) is not None:
+                each = each.reshape(*each.shape[:-1], -1, head_dims[key])
+            picked.append(each)
+        values = torch.stack(picked).to(DTYPES[entry["dtype"]]).contiguous()
+        total += values.numel() * values.element_size()
+        if total > MAX_BYTES:
+            return (f"capture: {total / 2**20:.1f} MiB of values, beyond the {MAX_BYTES >> 20} MiB a response carries; "
+                    "capture fewer layers or positions")
+        data = values.view(torch.uint8).numpy().tobytes()
+        out.append({
+            "value": entry["value"], "layers": entry["layers"], "positions": chosen, "prompt_tokens": length,
+            "dtype": entry["dtype"], "shape": list(values.shape), "data": base64.b64encode(data).decode("ascii"),
+        })
+    return out
+
+
+def decode(entry: dict) -> torch.Tensor:
+    """One entry of a response's ``capture`` as a tensor of its ``shape`` (``[layers, positions, *row]``) and ``dtype``.
+
+    Raises:
+        KeyError: not an entry of a response's ``capture``.
+        ValueError: ``data`` of another size than ``shape`` and ``dtype`` give.
+    """
+    data = bytearray(base64.b64decode(entry["data"]))
+    dtype = DTYPES[entry["dtype"]]
+    size = torch.Size(entry["shape"]).numel() * dtype.itemsize
+    if len(data) != size:
+        raise ValueError(f"capture {entry['value']!r}: {len(data)} bytes of data, {size} for {entry['shape']} {entry['dtype']}")
+    return torch.frombuffer(data, dtype=dtype).view(entry["shape"]) if size else torch.empty(entry["shape"], dtype=dtype)
+
+
+def _error_body(message: str) -> bytes:
+    import json
+
+    return json.dumps({"error": {"message": message, "type": "BadRequestError", "param": "capture", "code": 400}}).encode()
