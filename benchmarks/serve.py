@@ -10,7 +10,7 @@ figure is the median of its rounds. Rows:
 - vlenvoys, steered: every request steers two blocks with a named vector;
 - vlenvoys, half steered: every other request does;
 - vlenvoys, capturing: every request also reads its prompt's residual stream
-  at two blocks back in the response (``capture``, float32, every position).
+  at two blocks back in the response (``capture``, float32, every prompt position).
 
 The ratio is each row's tokens/s over plain vLLM's. On the CPU: the
 built-in SmolLM2-135M in float32, both engines eager. Where torch sees a GPU:

@@ -114,7 +114,7 @@ def test_a_capture_field_is_checked_and_its_layers_counted_from_the_end():
 
     made = capture_spec([{"value": "layer_output", "layers": [-1, 0]}, {"value": "attention_queries", "layers": "all",
                                                                          "positions": [0, -1], "dtype": "bfloat16"}], 3)
-    assert made[0]["layers"] == [2, 0] and made[0]["positions"] == "all" and made[0]["dtype"] == "float32"
+    assert made[0]["layers"] == [2, 0] and made[0]["positions"] == "prompt" and made[0]["dtype"] == "float32"
     assert made[1]["layers"] == [0, 1, 2] and made[1]["owner"] == "self_attn"
     # Forward order: by block, then as the block computes them (queries before the block's output).
     assert _reads(made) == ((0, "self_attn", "attention_queries"), (0, "layer", "layer_output"),

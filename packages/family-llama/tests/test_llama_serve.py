@@ -323,7 +323,7 @@ MALFORMED = [
     ({"capture": {"value": "layer_output", "layers": 1}, "stream": True}, "drop stream"),
     ({"capture": {"value": "layer_output", "layers": 1}, "n": 2}, "one choice a request"),
     ({"capture": {"value": "layer_output", "layers": 1}, "prompt": ["a", "b"]}, "one prompt a request"),
-    ({"capture": {"value": "layer_output", "layers": 1, "positions": [0, 99]}}, "position 99 is outside the prompt's"),
+    ({"capture": {"value": "layer_output", "layers": 1, "positions": [0, 99]}}, "position 99 is outside the rows read"),
     ({"capture": [{"value": "layer_output", "layers": 1}, {"value": "layer_output", "layers": 2}]}, "by two entries"),
     ({"vllm_xargs": {"vlenvoys_collect": "collect-x"}, "capture": {"value": "layer_output", "layers": 1}}, "set by the server"),
     ({"Capture": {"value": "layer_output", "layers": 1}}, "unknown field 'Capture'"),
@@ -480,20 +480,24 @@ def test_a_soak_of_mixed_concurrent_requests_loses_none(server, prompts):
 
 
 
-def traced_values(model, ids, reads, steer=None):
-    """A trace's reads of ``ids``' prompt, ``{(value, layer): [1, tokens, ...]}``, with ``model.steer(*steer)`` first."""
+def traced_values(model, ids, reads, steer=None, steps=1):
+    """A trace's reads of ``ids`` over ``steps`` steps, ``{(value, layer): [1, rows, ...]}`` (the prompt's rows, then
+    one row a decode step), with ``model.steer(*steer)`` first at every step."""
     from vlenvoys.oracle import VALUES
 
     order = {name: number for number, (_, name) in enumerate(VALUES)}
     owners = dict((name, owner) for owner, name in VALUES)
-    with model.trace(ids, temperature=0.0, max_tokens=1):
-        if steer is not None:
-            model.steer(*steer)
+    with model.trace(ids, temperature=0.0, max_tokens=steps, ignore_eos=True) as tracer:
         got = dict().save()
-        for value, layer in sorted(reads, key=lambda read: (read[1], order[read[0]])):
-            block = model.layers[layer]
-            got[value, layer] = getattr(block if owners[value] == "layer" else getattr(block, owners[value]), value).save()
-    return got
+        for step in tracer.iter[0:steps]:
+            if steer is not None:
+                model.steer(*steer)
+            for value, layer in sorted(reads, key=lambda read: (read[1], order[read[0]])):
+                block = model.layers[layer]
+                got[value, layer, step] = getattr(block if owners[value] == "layer" else getattr(block, owners[value]), value)
+    from vlenvoys.conformance import host
+
+    return {read: torch.cat([host(got[(*read, step)]) for step in range(steps)], dim=1) for read in reads}
 
 
 def assert_same_values(got, want, what, exact):
@@ -519,26 +523,46 @@ def exact_here():
 
 @on_llama
 def test_captured_values_equal_a_traces_reads(subject, server, client):
-    """Three values (the stream at every block, head-split queries, an MLP output) of two prompts, in their layouts."""
+    """Four values (the stream at every block, head-split queries, an MLP output over the prompt and the decode
+    steps, keys at chosen positions) of two prompts, in their layouts, against a trace's reads at every step."""
     from vlenvoys.capturing import decode
 
     capture = [{"value": "layer_output", "layers": "all"}, {"value": "attention_queries", "layers": [1]},
-               {"value": "mlp_output", "layers": [-1, 0], "positions": [0, -1]}]
+               {"value": "mlp_output", "layers": [-1, 0], "positions": "all"},
+               {"value": "attention_keys", "layers": 2, "positions": [0, -1, -STEPS]}]
     for ids in subject.prompts[:2]:
-        answer = client.completions.create(model=server["model"], prompt=ids, max_tokens=2, temperature=0.0,
-                                           extra_body={"capture": capture})
-        assert answer.usage.completion_tokens == 2
+        answer = client.completions.create(model=server["model"], prompt=ids, max_tokens=STEPS, temperature=0.0,
+                                           extra_body={"capture": capture, "ignore_eos": True})
+        assert answer.usage.completion_tokens == STEPS
         entries = answer.model_extra["capture"]
-        assert [entry["value"] for entry in entries] == ["layer_output", "attention_queries", "mlp_output"]
-        want = traced_values(subject.model, ids, [("layer_output", layer) for layer in range(3)]
-                             + [("attention_queries", 1), ("mlp_output", 2), ("mlp_output", 0)])
+        assert [entry["value"] for entry in entries] == ["layer_output", "attention_queries", "mlp_output", "attention_keys"]
+        want = traced_values(subject.model, ids, [("layer_output", layer) for layer in range(3)] + [
+            ("attention_queries", 1), ("mlp_output", 2), ("mlp_output", 0), ("attention_keys", 2)], steps=STEPS)
+        rows = len(ids) + STEPS - 1  # the last token sampled is never fed back
+        expected = {"layer_output": list(range(len(ids))), "attention_queries": list(range(len(ids))),
+                    "mlp_output": list(range(rows)), "attention_keys": [0, rows - 1, rows - STEPS]}
         for entry in entries:
             got = decode(entry)
-            assert entry["prompt_tokens"] == len(ids)
-            rows = [want[entry["value"], layer][0, entry["positions"]] for layer in entry["layers"]]
-            assert entry["positions"] == (list(range(len(ids))) if entry["value"] != "mlp_output" else [0, len(ids) - 1])
-            assert_same_values(got, torch.stack([row.cpu() for row in rows]), entry["value"], exact_here())
+            assert entry["prompt_tokens"] == len(ids) and entry["generated_rows"] == STEPS - 1
+            assert entry["positions"] == expected[entry["value"]], entry["value"]
+            stacked = torch.stack([want[entry["value"], layer][0, entry["positions"]] for layer in entry["layers"]])
+            assert_same_values(got, stacked, entry["value"], exact_here())
         assert list(decode(entries[1]).shape[2:]) == [4, 32], "queries come split by head: [heads, head_dim]"
+
+
+@on_llama
+def test_generated_positions_stop_where_the_completion_stops(subject, server, client):
+    """One token generated: no decode step ran, so "generated" is empty and "all" is the prompt."""
+    from vlenvoys.capturing import decode
+
+    ids = subject.prompts[0]
+    capture = [{"value": "layer_output", "layers": 1, "positions": "generated"},
+               {"value": "mlp_output", "layers": 1, "positions": "all"}]
+    answer = client.completions.create(model=server["model"], prompt=ids, max_tokens=1, temperature=0.0,
+                                       extra_body={"capture": capture})
+    generated, everything = answer.model_extra["capture"]
+    assert generated["positions"] == [] and list(decode(generated).shape) == [1, 0, 128]
+    assert everything["positions"] == list(range(len(ids))) and everything["generated_rows"] == 0
 
 
 @on_llama
@@ -555,6 +579,6 @@ def test_a_steered_chat_captures_its_steered_run(subject, server, client):
     (entry,) = answer.model_extra["capture"]
     assert entry["positions"] == [len(ids) - 1] and entry["dtype"] == "bfloat16"
     want = traced_values(subject.model, ids, [("layer_output", 2)], steer=(0, vector_of(1), 2.0))
-    assert_same_values(decode(entry), want["layer_output", 2][0, -1:].cpu().unsqueeze(0), "steered, bfloat16", False)
-    plain = traced_values(subject.model, ids, [("layer_output", 2)])["layer_output", 2][0, -1:].cpu()
+    assert_same_values(decode(entry), want["layer_output", 2][0, -1:].unsqueeze(0), "steered, bfloat16", False)
+    plain = traced_values(subject.model, ids, [("layer_output", 2)])["layer_output", 2][0, -1:]
     assert not torch.allclose(decode(entry).float()[0], plain, atol=0.1), "the steering must show in the capture"

@@ -1,14 +1,14 @@
-"""Capture in ``vlenvoys serve``: standard values of a request's prompt, returned in its response.
+"""Capture in ``vlenvoys serve``: standard values of a request's run, returned in its response.
 
 A completion or chat completion may carry a top-level ``capture`` field::
 
-    "capture": [{"value": "layer_output", "layers": [0, 2], "positions": "all", "dtype": "float32"}]
+    "capture": [{"value": "layer_output", "layers": [0, 2], "positions": "prompt", "dtype": "float32"}]
 
 and its (non-streamed) response gets a top-level ``capture`` list, one entry
 per requested one, in the same order::
 
     {"value": "layer_output", "layers": [0, 2], "positions": [0, 1, ...], "prompt_tokens": 7,
-     "dtype": "float32", "shape": [2, 7, 128], "data": "<base64>"}
+     "generated_rows": 0, "dtype": "float32", "shape": [2, 7, 128], "data": "<base64>"}
 
 ``data`` is the base64 of the values' bytes in C order, ``shape`` ``[layers,
 positions, *row]``, where a row is the value's layout less its batch and
@@ -18,20 +18,29 @@ Python: ``torch.frombuffer(bytearray(base64.b64decode(data)),
 dtype=torch.float32).view(shape)``, which `decode` does for any of the dtypes;
 numpy reads float32 and float16 the same way (``numpy.frombuffer(...).reshape(shape)``).
 
-Values are the prompt's (the prefill): ``positions`` is ``"all"`` (default),
-``"last"``, or a list of prompt positions (0 is the first token; negative ones
-count from the prompt's end). ``layers`` is a block index, a list of them
+``positions`` counts the sequence as steering does: ``"prompt"`` (default; the
+prefill's rows, positions 0 to ``prompt_tokens - 1``), ``"generated"`` (the
+decode steps' rows: generated token ``k``, counted from 0, sits at
+``prompt_tokens + k`` and has a row once it is fed back, so the last token
+sampled has none: ``generated_rows`` is the completion's tokens less one),
+``"all"`` (both), ``"last"`` (the prompt's last position, whose output chose
+the first token), or a list of positions (negative ones count from the end of
+the rows: prompt and generated). ``layers`` is a block index, a list of them
 (negative ones count from the end), or ``"all"``. ``dtype``: ``float32``
 (default), ``bfloat16`` or ``float16``, cast from the model's dtype. Each value
 is read as `vlenvoys.collect` reads it, one hook per module per step over the
 whole batch, so it equals a trace's read of the same prompt (bit-identical on
-the CPU engine); a request that is also steered captures its steered run.
+the CPU engine), and a decode step's row a trace's read at that step; a
+request that is also steered captures its steered run. Decode steps' rows
+are served on an eager engine: a server replaying CUDA graphs of decode steps
+(``--cuda-graphs``) runs no hooks there, and refuses ``"generated"`` and
+``"all"`` (a list reads the prompt's rows there).
 
 A request that asks for a value the model does not serve (by its family, or
 not at a module boundary: attention patterns are recomputed per request), a
 block that does not exist, streaming, several prompts or choices (``n``), or
 beam search is a 400 before it reaches the engine. A position outside the
-prompt, or more than `MAX_BYTES` of values, is known only once the prompt ran:
+rows, or more than `MAX_BYTES` of values, is known only once the request ran:
 the response is then a 400 naming it (its completion is not returned). The
 request runs with a cache salt of its own, so no cached prefix skips the rows
 it reads.
@@ -61,6 +70,8 @@ MAX_BYTES = 64 << 20
 MAX_ENTRIES = 16
 #: Collectors (one per distinct set of reads) kept on the engine; the least recently used idle one goes beyond.
 MAX_COLLECTORS = 32
+#: The named choices of an entry's positions.
+POSITIONS = ("prompt", "generated", "all", "last")
 #: Capture ids of requests on their way to the engine from this server (`guard` lets only these name a collector).
 PENDING: set[str] = set()
 
@@ -76,7 +87,7 @@ def capture_spec(field: Any, num_layers: int) -> list[dict]:
     """A request's ``capture`` field, checked: each entry as ``{value, owner, layers, positions, dtype}``.
 
     ``layers`` are block indices in ``range(num_layers)``; ``positions`` is
-    ``"all"``, ``"last"`` or a list of ints (checked against the prompt later).
+    one of `POSITIONS` or a list of ints (checked against the rows later).
 
     Raises:
         CaptureError: an unknown value or key, a block that does not exist, a
@@ -120,11 +131,13 @@ def capture_spec(field: Any, num_layers: int) -> list[dict]:
         layers = [layer % num_layers for layer in layers]
         if len(set(layers)) != len(layers):
             raise CaptureError(f"{where}.layers: a block is listed twice in {entry['layers']!r}")
-        positions = entry.get("positions", "all")
-        if not (positions in ("all", "last") or (isinstance(positions, list) and positions and all(
+        positions = entry.get("positions", "prompt")
+        if not (positions in POSITIONS or (isinstance(positions, list) and positions and all(
             isinstance(each, int) and not isinstance(each, bool) for each in positions
         ))):
-            raise CaptureError(f"{where}.positions: expected \"all\", \"last\" or a non-empty list of prompt positions, got {positions!r}")
+            raise CaptureError(
+                f"{where}.positions: expected {', '.join(map(repr, POSITIONS))} or a non-empty list of positions, got {positions!r}"
+            )
         dtype = entry.get("dtype", "float32")
         if dtype not in DTYPES:
             raise CaptureError(f"{where}.dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -176,12 +189,14 @@ class Captures:
         engine_client: vLLM's engine client in the API server (``app.state.engine_client``).
         num_layers: The model's block count.
         ranks: The engine's world size (capture serves one rank).
+        graphs: Whether the engine replays CUDA graphs of decode steps (no hooks run there).
     """
 
-    def __init__(self, engine_client: Any, num_layers: int, ranks: int) -> None:
+    def __init__(self, engine_client: Any, num_layers: int, ranks: int, graphs: bool) -> None:
         self.engine = engine_client
         self.num_layers = num_layers
         self.ranks = ranks
+        self.graphs = graphs
         self.collectors: OrderedDict[tuple, _Collector | str] = OrderedDict()
         self.starting = asyncio.Lock()
 
@@ -192,18 +207,27 @@ class Captures:
         Raises:
             CaptureError: see `capture_spec` and the module's docstring.
         """
-        from .collector import ID_KEY, KEY
+        from .collector import GENERATED_KEY, ID_KEY, KEY
         from .steering import KEY as STEER_KEY
 
         _one_request(body, path)
         if self.ranks > 1:
             raise CaptureError(f"capture serves a one-rank engine; this one runs on {self.ranks} ranks")
         entries = capture_spec(body["capture"], self.num_layers)
+        decoded = [entry["value"] for entry in entries if entry["positions"] in ("generated", "all")]
+        if decoded and self.graphs:
+            raise CaptureError(
+                f"capture: {decoded[0]} at generated positions: this server replays CUDA graphs of decode steps, which "
+                "run no hooks; capture the prompt's positions, or serve without --cuda-graphs"
+            )
+        generated = not self.graphs and any(entry["positions"] != "prompt" and entry["positions"] != "last" for entry in entries)
         reads = _reads(entries)
         collector = await self._collector(reads)
         ticket = uuid.uuid4().hex
         body = {key: value for key, value in body.items() if key != "capture"}
         xargs = body["vllm_xargs"] = {**(body.get("vllm_xargs") or {}), KEY: collector.name, ID_KEY: ticket}
+        if generated:
+            xargs[GENERATED_KEY] = True
         # A salt of its own, shared with no request (so no cached prefix skips the forward over rows it
         # reads), ending in its steering's where it is steered (`serving.guard` looks for that); vLLM
         # takes 128 characters at most, so the user's salt, needless now, is dropped.
@@ -247,39 +271,52 @@ class Captures:
         import json
 
         collector, name, entries = ticket
+        answer = json.loads(body) if status == 200 else None
         try:
             async with collector.lock:
                 (packed, *_) = await self.engine.collective_rpc("vlenvoys_collect_take", args=(collector.name, [name]))
-                values = _values(packed, name, collector.head_dims, entries) if status == 200 else None
+                if answer is not None:
+                    completed = (answer.get("usage") or {}).get("completion_tokens")
+                    values = _values(packed, name, collector.head_dims, entries, completed)
         finally:
             collector.users -= 1
             PENDING.discard(name)
-        if status != 200:
+        if answer is None:
             return status, body
         if isinstance(values, str):
             return 400, _error_body(values)
-        answer = json.loads(body)
         answer["capture"] = values
         return status, json.dumps(answer).encode()
 
 
-def _values(packed: dict, name: str, head_dims: dict, entries: list[dict]) -> list[dict] | str:
-    """Each entry's values, copied out of the engine's blocks and encoded; or why the request has none."""
+def _values(packed: dict, name: str, head_dims: dict, entries: list[dict], completed: int | None) -> list[dict] | str:
+    """Each entry's values, copied out of the engine's blocks and encoded; or why the request has none.
+
+    ``completed``: the response's generated tokens (its usage), of which all but the last were fed back.
+    """
     from .collector import received
 
     taken = received(packed)
     if name in taken["missing"]:
         return f"capture: {taken['missing'][name]}"
     rows = {key: each[0] for key, each in taken["values"].items()}
+    prompt = taken["prompts"][name]
     out, total = [], 0
     for entry in entries:
-        first = rows[f"{entry['value']}.{entry['layers'][0]}"]
-        length = first.shape[0]
-        positions = entry["positions"]
-        chosen = list(range(length)) if positions == "all" else [length - 1] if positions == "last" else positions
+        read = rows[f"{entry['value']}.{entry['layers'][0]}"].shape[0]
+        # A step scheduled ahead of a stop the engine did not know yet (asynchronous scheduling) read a row past it.
+        fed = read - prompt if completed is None else min(read - prompt, max(0, completed - 1))
+        if entry["positions"] in ("generated", "all") and completed is not None and fed != completed - 1:
+            return f"capture: {entry['value']}: {fed} of the {completed - 1} generated tokens fed back were read"
+        length = prompt + fed
+        chosen = {
+            "prompt": list(range(prompt)), "generated": list(range(prompt, length)), "all": list(range(length)),
+            "last": [prompt - 1],
+        }.get(entry["positions"]) if isinstance(entry["positions"], str) else entry["positions"]
         outside = [position for position in chosen if not -length <= position < length]
         if outside:
-            return f"capture: position {outside[0]} is outside the prompt's {length} tokens (0 to {length - 1})"
+            kept = f"the prompt's {prompt} and {fed} generated" if fed else f"the prompt's {prompt}"
+            return f"capture: position {outside[0]} is outside the rows read ({kept}: 0 to {length - 1})"
         chosen = [position % length for position in chosen]
         index = torch.tensor(chosen, dtype=torch.long)
         picked = []
@@ -296,7 +333,8 @@ def _values(packed: dict, name: str, head_dims: dict, entries: list[dict]) -> li
                     "capture fewer layers or positions")
         data = values.view(torch.uint8).numpy().tobytes()
         out.append({
-            "value": entry["value"], "layers": entry["layers"], "positions": chosen, "prompt_tokens": length,
+            "value": entry["value"], "layers": entry["layers"], "positions": chosen, "prompt_tokens": prompt,
+            "generated_rows": fed,
             "dtype": entry["dtype"], "shape": list(values.shape), "data": base64.b64encode(data).decode("ascii"),
         })
     return out

@@ -33,7 +33,7 @@ from . import handover
 from .handover import Arena, Piece
 
 __all__ = [
-    "ID_KEY", "KEY", "Collector", "count", "eligible", "new_name", "split", "start", "start_checked", "step_spans",
+    "GENERATED_KEY", "ID_KEY", "KEY", "Collector", "count", "eligible", "new_name", "split", "start", "start_checked", "step_spans",
     "stop", "received", "take",
 ]
 
@@ -42,6 +42,9 @@ KEY = "vlenvoys_collect"
 #: ``SamplingParams.extra_args`` key of the id the caller takes the request's values by, where it
 #: cannot know the engine's request id (`vlenvoys serve`: vLLM's server names its requests itself).
 ID_KEY = "vlenvoys_collect_id"
+#: ``SamplingParams.extra_args`` key: read the request's decode steps' rows too, not its prompt's alone
+#: (each generated token fed back, at its position; an engine replaying graphs of decode steps runs no hooks there).
+GENERATED_KEY = "vlenvoys_collect_generated"
 #: How many ids taken before their request was admitted a collector remembers (to ignore that request).
 FORGOTTEN = 4096
 
@@ -82,6 +85,10 @@ class Collector:
         self.runner = runner
         #: request id (the engine's) -> its prompt's length, for the requests that name this collector.
         self.prompts: dict[str, int] = {}
+        #: request id -> how many rows it reads at most (its prompt's, and its decode steps' where `GENERATED_KEY`).
+        self.limits: dict[str, int] = {}
+        #: request id -> why its rows are not served (a decode-step row that came out of place).
+        self.broken: dict[str, str] = {}
         #: the caller's request id -> the engine's (vLLM suffixes ids on the way in).
         self.engine_ids: dict[str, str] = {}
         #: caller ids taken before their request came (a server's request aborted early): not admitted then.
@@ -145,27 +152,38 @@ class Collector:
     def spans(self, key: str) -> list[tuple[str, int, int]]:
         """This step's rows of this collector's requests not yet read at ``key``: (request id, first row, rows).
 
-        Prompt rows only: rows past the prompt would be decode steps (a request
-        of one generated token has none).
+        Prompt rows only, unless the request asked for its decode steps' too
+        (`GENERATED_KEY`): then each row must come at the position after the
+        last one read, or the request's rows are not served (`broken`).
         """
         mine = []
+        positions = getattr(self.runner, "vlenvoys_positions", {})
         for request, start, count in getattr(self.runner, "vlenvoys_spans", ()):
-            if request not in self.prompts:
+            if request not in self.prompts or request in self.broken:
                 continue
-            count = min(count, self.prompts[request] - self.seen[request].get(key, 0))
+            seen = self.seen[request].get(key, 0)
+            count = min(count, self.limits[request] - seen)
+            if count > 0 and self.limits[request] > self.prompts[request] and positions.get(request, seen) != seen:
+                # A recomputation after a preemption, or a step whose hooks did not run (a replayed graph).
+                self.broken[request] = (
+                    f"{key}: the engine ran position {positions[request]} after {seen} rows read (a request preempted and "
+                    "recomputed, or decode steps replayed as CUDA graphs, which run no hooks)"
+                )
+                continue
             if count > 0:
                 mine.append((request, start, count))
         return mine
 
-    def admit(self, request: str, prompt_length: int, caller_id: str | None = None) -> None:
-        """Read ``request``'s prompt rows from now on; the caller takes them by ``caller_id``
-        (`ID_KEY`), or by the id it gave the engine (``request`` less vLLM's suffix)."""
+    def admit(self, request: str, prompt_length: int, caller_id: str | None = None, generated: int = 0) -> None:
+        """Read ``request``'s prompt rows from now on, and its first ``generated`` decode steps' rows; the
+        caller takes them by ``caller_id`` (`ID_KEY`), or by the id it gave the engine (``request`` less vLLM's suffix)."""
         from nnsight.modeling.vllm.model_runners.GPUModelRunner import Request
 
         caller_id = Request(request).stem if caller_id is None else caller_id
         if self.forgotten.pop(caller_id, False) is None:
             return  # its caller has gone: nobody would take its rows
         self.prompts[request] = prompt_length
+        self.limits[request] = prompt_length + generated
         self.rows[request] = {}
         self.seen[request] = {}
         self.engine_ids[caller_id] = request
@@ -174,12 +192,12 @@ class Collector:
         """Finished requests' values, handed over (`vlenvoys.handover`): where each request's rows lie.
 
         Returns ``{"order": [caller ids], "missing": {caller id: why it has no
-        values}, **Arena.handover(...)}``: per value key, one list of pieces
-        per id in ``order``.
+        values}, "prompts": {caller id: prompt length}, **Arena.handover(...)}``:
+        per value key, one list of pieces per id in ``order``.
         """
         # The client maps each handover before it calls again: what it was given before may be reused.
         self.arena.acknowledge(self.name)
-        order, missing, dropped = [], {}, []
+        order, missing, dropped, prompts = [], {}, [], {}
         pieces: dict[str, list[list[Piece]]] = {key: [] for key in self.layouts}
         # The copies off the device were queued on the stream. A finished request's are done by now (they came
         # before the sampling its outputs waited for), so these waits return at once: unlike a synchronize of the
@@ -195,11 +213,16 @@ class Collector:
             event.synchronize()
         for caller_id, request in zip(requests, engine_ids, strict=True):
             length, rows = self.prompts.pop(request, None), self.rows.pop(request, None)
-            seen = self.seen.pop(request, {})
+            seen, broken = self.seen.pop(request, {}), self.broken.pop(request, None)
+            self.limits.pop(request, None)
             if rows is None:
                 missing[caller_id] = "the engine has no values of this request (it never ran here)"
                 continue
-            short = [key for key in self.layouts if seen.get(key, 0) != length]
+            if broken is not None:
+                missing[caller_id] = broken
+                dropped.extend(piece for each in rows.values() for piece in each)
+                continue
+            short = [key for key in self.layouts if seen.get(key, 0) < length]
             if short:
                 missing[caller_id] = (
                     f"{short[0]}: {seen.get(short[0], 0)} of the prompt's {length} rows were computed (a prefix-cache "
@@ -208,12 +231,13 @@ class Collector:
                 dropped.extend(piece for each in rows.values() for piece in each)
                 continue
             order.append(caller_id)
+            prompts[caller_id] = length
             for key in self.layouts:
                 pieces[key].append(rows[key])
         self.arena.release(dropped)
         layouts = {key: self.row_layouts[key] for key in self.layouts if key in self.row_layouts}
         handed = self.arena.handover({key: each for key, each in pieces.items() if each}, layouts, owner=self.name)
-        return {"order": order, "missing": missing, **handed}
+        return {"order": order, "missing": missing, "prompts": prompts, **handed}
 
     def close(self) -> None:
         """Remove the hooks; rows never taken are dropped, and what was handed over may be reused."""
@@ -225,6 +249,8 @@ class Collector:
         self.arena.release([piece for values in self.rows.values() for each in values.values() for piece in each])
         self.arena.acknowledge(self.name)  # the client stops after it has mapped every handover
         self.prompts.clear()
+        self.limits.clear()
+        self.broken.clear()
         self.rows.clear()
         self.seen.clear()
         self.engine_ids.clear()
@@ -244,13 +270,21 @@ def step_spans(runner: Any, scheduler_output: Any) -> list[tuple[str, int, int]]
             extra = getattr(data.sampling_params, "extra_args", None) or {}
             name = extra.get(KEY)
             if name in collectors:
-                collectors[name].admit(data.req_id, len(data.prompt_token_ids), extra.get(ID_KEY))
+                # The last token sampled is never fed back: max_tokens - 1 decode steps at most.
+                generated = max(0, (data.sampling_params.max_tokens or 1) - 1) if extra.get(GENERATED_KEY) else 0
+                collectors[name].admit(data.req_id, len(data.prompt_token_ids), extra.get(ID_KEY), generated)
     tokens = scheduler_output.num_scheduled_tokens
     spans, start = [], 0
     for request in runner.input_batch.req_ids:
         if request in tokens:
             spans.append((request, start, tokens[request]))
             start += tokens[request]
+    if collectors:
+        # Where each request's rows of this step start in its sequence (the runner's own positions).
+        computed = runner.input_batch.num_computed_tokens_cpu
+        runner.vlenvoys_positions = {
+            request: int(computed[index]) for index, request in enumerate(runner.input_batch.req_ids) if request in tokens
+        }
     return spans
 
 
@@ -320,9 +354,12 @@ def take(worker: Any, name: str, requests: list[str]) -> dict[str, Any]:
 
 
 def received(taken: dict[str, Any], maps: dict | None = None) -> dict[str, Any]:
-    """Client side: `take`'s answer with each request's rows as tensors (``{"order", "missing", "values":
+    """Client side: `take`'s answer with each request's rows as tensors (``{"order", "missing", "prompts", "values":
     {key: [rows of each id in order]}}``; ``maps`` and the errors: `vlenvoys.handover.received`)."""
-    return {"order": taken["order"], "missing": taken["missing"], "values": handover.received(taken, maps)}
+    return {
+        "order": taken["order"], "missing": taken["missing"], "prompts": taken.get("prompts", {}),
+        "values": handover.received(taken, maps),
+    }
 
 
 def split(model: Any, reads: Sequence[Read], taken: dict) -> dict[str, dict[str, torch.Tensor] | str]:

@@ -379,8 +379,11 @@ class SteeringMiddleware:
         self.shape = (int(config.get_hidden_size()), int(config.hf_text_config.num_hidden_layers), config.dtype)
         from .capturing import Captures
 
-        ranks = app.state.vllm_config.parallel_config.world_size
-        self.captures = Captures(app.state.engine_client, self.shape[1], ranks)
+        from vllm.config import CUDAGraphMode
+
+        vllm_config = app.state.vllm_config
+        graphs = not config.enforce_eager and vllm_config.compilation_config.cudagraph_mode != CUDAGraphMode.NONE
+        self.captures = Captures(app.state.engine_client, self.shape[1], vllm_config.parallel_config.world_size, graphs)
         args = app.state.args
         from vllm import envs
 
