@@ -151,3 +151,13 @@ def test_decode_checks_the_size_and_reads_every_dtype():
         assert torch.equal(decode(entry), values.to(dtype))
     with pytest.raises(ValueError, match="bytes of data"):
         decode({**entry, "shape": [2, 3, 5]})
+
+
+def test_an_async_http_client_works_after_import_vlenvoys():
+    """nnsight's `.save` mount made anyio refuse its classes, so httpx's (and openai's) async client failed."""
+    import subprocess
+    import sys
+
+    code = "import vlenvoys, anyio._backends._asyncio, anyio.streams.tls"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -327,6 +327,11 @@ MALFORMED = [
     ({"capture": [{"value": "layer_output", "layers": 1}, {"value": "layer_output", "layers": 2}]}, "by two entries"),
     ({"vllm_xargs": {"vlenvoys_collect": "collect-x"}, "capture": {"value": "layer_output", "layers": 1}}, "set by the server"),
     ({"Capture": {"value": "layer_output", "layers": 1}}, "unknown field 'Capture'"),
+    ({"capture": {"value": ["layer_output"], "layers": 1}}, "unknown value ['layer_output']"),
+    ({"capture": {"value": "layer_output", "layers": 1, "dtype": {}}}, "dtype"),
+    ({"capture": {"value": "layer_output", "layers": 1}, "vllm_xargs": "x"}, "vllm_xargs: expected an object"),
+    ({"capture": {"value": "layer_output", "layers": 1, "positions": [0] * 65537}}, "at most 65536 are served"),
+    ({"capture": {"value": "layer_output", "layers": "all", "positions": [0] * 60000}}, "MiB of values, beyond the 64 MiB"),
     ({"vllm_xargs": {"vlenvoys_steer": "{}"}}, "is set by the server"),
     ({"Steering": [{"layer": 1, "vector": "up"}]}, "unknown field 'Steering'"),
 ]
@@ -548,6 +553,11 @@ def test_captured_values_equal_a_traces_reads(subject, server, client):
             stacked = torch.stack([want[entry["value"], layer][0, entry["positions"]] for layer in entry["layers"]])
             assert_same_values(got, stacked, entry["value"], exact_here())
         assert list(decode(entries[1]).shape[2:]) == [4, 32], "queries come split by head: [heads, head_dim]"
+
+
+def test_capture_null_is_a_plain_request(server, client):
+    answer = client.completions.create(model=server["model"], prompt="The cat", max_tokens=2, extra_body={"capture": None})
+    assert answer.usage.completion_tokens == 2 and "capture" not in (answer.model_extra or {})
 
 
 @on_llama

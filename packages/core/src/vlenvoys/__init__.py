@@ -79,3 +79,11 @@ __all__ = [
     "unbatched",
     "with_argument",
 ]
+
+# nnsight mounts ``.save`` on every object when imported, and anyio then refuses to define its
+# typed-attribute classes (imported by httpx's async transport, so by openai's AsyncOpenAI): an
+# async client in a process that imported vlenvoys failed. They are defined here with the mount lifted.
+from .serving import anyio_classes_first as _anyio_classes_first  # noqa: E402
+
+_anyio_classes_first()
+

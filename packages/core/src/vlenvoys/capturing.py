@@ -31,7 +31,10 @@ the rows: prompt and generated). ``layers`` is a block index, a list of them
 is read as `vlenvoys.collect` reads it, one hook per module per step over the
 whole batch, so it equals a trace's read of the same prompt (bit-identical on
 the CPU engine), and a decode step's row a trace's read at that step; a
-request that is also steered captures its steered run. Decode steps' rows
+request that is also steered captures its steered run (at a steered block,
+``layer_output`` is the sum of vLLM's two stream halves the next block gets,
+within float32 rounding of a trace's read). ``"capture": null`` or ``[]`` is a
+request that captures nothing. Decode steps' rows
 are served on an eager engine: a server replaying CUDA graphs of decode steps
 (``--cuda-graphs``) runs no hooks there, and refuses ``"generated"`` and
 ``"all"`` (a list reads the prompt's rows there).
@@ -68,6 +71,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 MAX_BYTES = 64 << 20
 #: The most entries a request's capture may have.
 MAX_ENTRIES = 16
+#: The most positions an entry may list.
+MAX_POSITIONS = 1 << 16
 #: Collectors (one per distinct set of reads) kept on the engine; the least recently used idle one goes beyond.
 MAX_COLLECTORS = 32
 #: The named choices of an entry's positions.
@@ -111,7 +116,7 @@ def capture_spec(field: Any, num_layers: int) -> list[dict]:
         if unknown:
             raise CaptureError(f"{where}: unknown keys {unknown}; an entry has {sorted(ENTRY_KEYS)}")
         value = entry.get("value")
-        if value not in owners:
+        if not isinstance(value, str) or value not in owners:
             raise CaptureError(f"{where}: unknown value {value!r}; the standard values are {', '.join(owners)}")
         if value in seen:
             raise CaptureError(f"{where}: {value!r} is captured by two entries (list its layers in one)")
@@ -132,6 +137,8 @@ def capture_spec(field: Any, num_layers: int) -> list[dict]:
         if len(set(layers)) != len(layers):
             raise CaptureError(f"{where}.layers: a block is listed twice in {entry['layers']!r}")
         positions = entry.get("positions", "prompt")
+        if isinstance(positions, list) and len(positions) > MAX_POSITIONS:
+            raise CaptureError(f"{where}.positions: {len(positions)} positions, at most {MAX_POSITIONS} are served")
         if not (positions in POSITIONS or (isinstance(positions, list) and positions and all(
             isinstance(each, int) and not isinstance(each, bool) for each in positions
         ))):
@@ -139,7 +146,7 @@ def capture_spec(field: Any, num_layers: int) -> list[dict]:
                 f"{where}.positions: expected {', '.join(map(repr, POSITIONS))} or a non-empty list of positions, got {positions!r}"
             )
         dtype = entry.get("dtype", "float32")
-        if dtype not in DTYPES:
+        if not isinstance(dtype, str) or dtype not in DTYPES:
             raise CaptureError(f"{where}.dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
         made.append({"value": value, "owner": owners[value], "layers": layers, "positions": positions, "dtype": dtype})
     return made
@@ -167,7 +174,9 @@ def _one_request(body: dict, path: str) -> None:
     if several:
         raise CaptureError("capture serves one prompt a request: send the prompts as requests of their own")
     xargs = body.get("vllm_xargs")
-    if isinstance(xargs, dict) and any(key.startswith("vlenvoys_collect") for key in xargs):
+    if xargs is not None and not isinstance(xargs, dict):
+        raise CaptureError("vllm_xargs: expected an object")
+    if isinstance(xargs, dict) and any(isinstance(key, str) and key.startswith("vlenvoys_collect") for key in xargs):
         raise CaptureError("vllm_xargs' vlenvoys_collect keys are set by the server; capture with the 'capture' field")
 
 
@@ -301,7 +310,7 @@ def _values(packed: dict, name: str, head_dims: dict, entries: list[dict], compl
         return f"capture: {taken['missing'][name]}"
     rows = {key: each[0] for key, each in taken["values"].items()}
     prompt = taken["prompts"][name]
-    out, total = [], 0
+    chosen_of, fed_of, total = [], {}, 0
     for entry in entries:
         read = rows[f"{entry['value']}.{entry['layers'][0]}"].shape[0]
         # A step scheduled ahead of a stop the engine did not know yet (asynchronous scheduling) read a row past it.
@@ -318,6 +327,16 @@ def _values(packed: dict, name: str, head_dims: dict, entries: list[dict], compl
             kept = f"the prompt's {prompt} and {fed} generated" if fed else f"the prompt's {prompt}"
             return f"capture: position {outside[0]} is outside the rows read ({kept}: 0 to {length - 1})"
         chosen = [position % length for position in chosen]
+        chosen_of.append(chosen)
+        fed_of[entry["value"]] = fed
+        # Counted before anything is copied: a long list of positions must not build what is refused.
+        row = rows[f"{entry['value']}.{entry['layers'][0]}"][0]
+        total += len(entry["layers"]) * len(chosen) * row.numel() * DTYPES[entry["dtype"]].itemsize
+    if total > MAX_BYTES:
+        return (f"capture: {total / 2**20:.1f} MiB of values, beyond the {MAX_BYTES >> 20} MiB a response carries; "
+                "capture fewer layers or positions")
+    out = []
+    for entry, chosen in zip(entries, chosen_of, strict=True):
         index = torch.tensor(chosen, dtype=torch.long)
         picked = []
         for layer in entry["layers"]:
@@ -327,14 +346,10 @@ def _values(packed: dict, name: str, head_dims: dict, entries: list[dict], compl
                 each = each.reshape(*each.shape[:-1], -1, head_dims[key])
             picked.append(each)
         values = torch.stack(picked).to(DTYPES[entry["dtype"]]).contiguous()
-        total += values.numel() * values.element_size()
-        if total > MAX_BYTES:
-            return (f"capture: {total / 2**20:.1f} MiB of values, beyond the {MAX_BYTES >> 20} MiB a response carries; "
-                    "capture fewer layers or positions")
         data = values.view(torch.uint8).numpy().tobytes()
         out.append({
             "value": entry["value"], "layers": entry["layers"], "positions": chosen, "prompt_tokens": prompt,
-            "generated_rows": fed,
+            "generated_rows": fed_of[entry["value"]],
             "dtype": entry["dtype"], "shape": list(values.shape), "data": base64.b64encode(data).decode("ascii"),
         })
     return out

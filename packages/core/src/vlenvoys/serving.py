@@ -428,14 +428,18 @@ class SteeringMiddleware:
                 return await self._register(body)(scope, receive, send)
             try:
                 parsed = json.loads(body) if body else None
-            except ValueError:
-                parsed = None  # vLLM answers a body that is not JSON
+            except (ValueError, RecursionError):
+                parsed = None  # vLLM answers a body that is not JSON (or nested past Python's recursion limit)
             if isinstance(parsed, dict) and "steering" in parsed and path not in GENERATING:
                 raise SteeringError(f"steering is served on {' and '.join(GENERATING)}, not on {path}")
             new = rewritten(parsed, *self.shape, self.vectors) if isinstance(parsed, dict) else None
             ticket = None
             if isinstance(parsed, dict) and "capture" in parsed:
-                new, ticket = await self.captures.admit(parsed if new is None else new, path)
+                new = dict(parsed if new is None else new)
+                if new["capture"] is None or new["capture"] == []:
+                    del new["capture"]  # as "steering": null, a request that captures nothing
+                else:
+                    new, ticket = await self.captures.admit(new, path)
         except SteeringError as error:
             return await _error(str(error), error.param)(scope, receive, send)
         if new is not None:
@@ -610,7 +614,8 @@ def _graph_settings(args: Any) -> None:
 
 
 def anyio_classes_first() -> None:
-    """Define anyio's typed-attribute classes with nnsight's ``.save`` unmounted (vLLM's streaming needs them).
+    """Define anyio's typed-attribute classes with nnsight's ``.save`` unmounted (vLLM's streaming needs them,
+    and httpx's async transport); `import vlenvoys` calls it.
 
     nnsight mounts ``.save`` on every object when imported; anyio refuses to
     define a ``TypedAttributeSet`` subclass that then has an unannotated
@@ -621,7 +626,10 @@ def anyio_classes_first() -> None:
     with the mount lifted meanwhile and put back after.
     """
     import importlib
+    import importlib.util
 
+    if importlib.util.find_spec("anyio") is None:
+        return
     modules = [name for name in ("anyio.streams.file", "anyio.streams.tls", "anyio.abc._sockets") if name not in sys.modules]
     mounted = hasattr(object(), "save")
     if not modules:
