@@ -4,7 +4,7 @@ For each corpus size (tokens of windows) it measures, on one engine:
 
 - tokens/s of ``collect_dataset`` (one value at one layer, bfloat16 shards on
   disk) and of plain vLLM prefill of the same windows with as many in flight;
-- the peak resident memory of this process and vLLM's (sampled every 5 ms)
+- the peak memory of this process and vLLM's together (proportional set sizes, sampled every 10 ms)
   during each, to show that a longer corpus does not take more memory;
 - the bytes written.
 
@@ -29,7 +29,7 @@ import vlenvoys
 from vlenvoys.activations import collect_dataset, windows
 
 # This file's folder is on the path when it runs as a script.
-from bench import MAX_MODEL_LEN, PeakRSS, checkout, cuda_checkpoint, github_table, stop
+from bench import MAX_MODEL_LEN, PeakMemory, checkout, cuda_checkpoint, github_table, stop
 from workloads import prompts
 
 
@@ -112,13 +112,13 @@ def main() -> None:
             repeats = args.repeats if size < 100_000 else 1
             plain_seconds, ours_seconds, plain_peak, ours_peak, written = [], [], 0.0, 0.0, 0
             for _ in range(repeats):
-                with PeakRSS() as peak:
+                with PeakMemory() as peak:
                     start = time.perf_counter()
                     plain_prefill(model, cut, in_flight)
                     plain_seconds.append(time.perf_counter() - start)
                 plain_peak = max(plain_peak, peak.peak)
                 folder = scratch / "acts"
-                with PeakRSS() as peak:
+                with PeakMemory() as peak:
                     start = time.perf_counter()
                     collect_dataset(model, documents, folder, "layer_output", [layer], context_length=args.context_length,
                                     max_tokens=tokens, progress=False)
@@ -140,7 +140,7 @@ def main() -> None:
                "plain prefill peak MiB", "written MiB")
     device = torch.cuda.get_device_name() if cuda else f"CPU, {os.cpu_count()} cores"
     header = (f"{device}; {described}; layer_output at block {layer}, windows of {args.context_length} tokens, "
-              f"{in_flight} in flight, bfloat16 shards; peak = this process and vLLM's, resident; "
+              f"{in_flight} in flight, bfloat16 shards; peak = this process and vLLM's, proportional set size (shared pages once); "
               f"best of the runs; vlenvoys-core {vlenvoys.__version__} at {checkout()}")
     table = github_table(rows, headers)
     (args.out / f"results-datasets-{tag}.md").write_text(f"{header}\n\n{table}\n")

@@ -89,6 +89,24 @@ def one_take(arena: Arena, rows: torch.Tensor, owner: str = "c") -> torch.Tensor
     return received(arena.handover({"v": [pieces[0]]}, {"v": ([rows.shape[1]], "float32")}, owner=owner))["v"][0]
 
 
+def test_a_chunk_is_as_large_however_many_came_before(files_only, monkeypatch):
+    """A chunk made while the others are busy holds `BLOCKS_A_CHUNK` blocks of its size, never more: a long
+    collection that sometimes runs short of idle chunks adds one such chunk each time, not a doubling."""
+    monkeypatch.setattr(handover, "LARGEST_CHUNK", 1 << 20)
+    name = f"test-{os.getpid()}-sizes"
+    arena = Arena(name, device_copies=False)
+    held = [arena.block(torch.Size([2048]), torch.uint8) for _ in range(20)]  # all kept busy: 2 KiB blocks
+    sizes = {chunk.size for chunk in arena.chunks.values()}
+    assert len(arena.chunks) == 20 // handover.BLOCKS_A_CHUNK and sizes == {handover.BLOCKS_A_CHUNK * 2048}
+    big = arena.block(torch.Size([1 << 19]), torch.uint8)  # a block of its own size class: 4 of them, capped
+    assert arena.chunks[big[1]].size == 1 << 20
+    huge = arena.block(torch.Size([3 << 20]), torch.uint8)  # beyond the cap: the block alone
+    assert arena.chunks[huge[1]].size == 3 << 20
+    del held, big, huge
+    arena.close()
+    assert mine(name) == []
+
+
 def test_a_chunk_is_reused_only_once_the_client_let_go_of_it(files_only):
     name = f"test-{os.getpid()}-reuse"
     arena = Arena(name, device_copies=False)
@@ -141,15 +159,15 @@ def test_rows_dropped_unhanded_free_their_chunk(files_only):
 
 def test_idle_chunks_above_the_bound_are_given_up_mapped_ones_first(files_only):
     name = f"test-{os.getpid()}-keep"
-    arena = Arena(name, device_copies=False, keep=2 * 4096)
+    arena = Arena(name, device_copies=False, keep=4096)
     one_take(arena, torch.ones(1, 8))  # the first chunk (4 KiB): idle once filled, and nobody keeps its rows
     fill(arena)
-    held = one_take(arena, torch.full((3, 8), 5.0))  # the second (8 KiB): the client keeps these rows
+    held = one_take(arena, torch.full((3, 8), 5.0))  # the second (4 KiB): the client keeps these rows
     fill(arena)
     free, mapped = (arena.chunks[chunk_id].path for chunk_id in sorted(arena.chunks))
     one_take(arena, torch.ones(1, 8))  # a third one is current
-    arena.acknowledge("c")  # idle: 12 KiB, 4 over the bound
-    assert os.path.exists(free) and not os.path.exists(mapped), "the mapped chunk went first, though it is larger"
+    arena.acknowledge("c")  # idle: 8 KiB, 4 over the bound
+    assert os.path.exists(free) and not os.path.exists(mapped), "the mapped chunk went first, though the other is older"
     assert torch.equal(held, torch.full((3, 8), 5.0)), "its mapping outlives the file"
     arena.close()
 

@@ -126,9 +126,10 @@ def test_saves_in_shared_memory_come_back_equal_and_hold_their_block_until_loade
         pytest.skip(f"{handover.SHARED_MEMORY} is not writable here")
     monkeypatch.setattr(handover, "FIRST_CHUNK", 4096)
     monkeypatch.setattr(handover, "LARGEST_CHUNK", 8192)
+    monkeypatch.setattr(handover, "BLOCKS_A_CHUNK", 1)
     arena = Arena(f"test-saves-{os.getpid()}", device_copies=False)
     try:
-        def saves(seed: int) -> dict:  # 3,008 bytes of tensors: one block fits the first chunk, two the second
+        def saves(seed: int) -> dict:  # 3,008 bytes of tensors: one block a chunk
             generator = torch.Generator().manual_seed(seed)
             whole = torch.randn(48, 16, generator=generator)
             row = whole[0]
@@ -149,9 +150,9 @@ def test_saves_in_shared_memory_come_back_equal_and_hold_their_block_until_loade
         assert not arena.chunks[0].unread_saves(), "loading the saves frees their block"
         back["rows"].add_(1)  # the client's own memory: the block (and the next saves in it) are untouched
         third = dumps_saves(saves(2), arena)
-        assert arena.current == 1
-        fourth = dumps_saves(saves(3), arena)
         assert arena.current == 0, "a chunk whose saves were loaded is reused"
+        fourth = dumps_saves(saves(3), arena)
+        assert arena.current == 2, "both chunks hold unread saves: a new one"
         for payload, seed in ((second, 1), (third, 2), (fourth, 3)):
             check(pickle.loads(payload), seed)
         assert not any(chunk.unread_saves() for chunk in arena.chunks.values())

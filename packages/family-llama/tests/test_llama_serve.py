@@ -12,12 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
@@ -39,12 +33,6 @@ def vector_of(seed: int, scale: float = 3.0) -> torch.Tensor:
     return scale * torch.randn(128, generator=torch.Generator().manual_seed(seed))
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """``vlenvoys serve`` on the tiny Llama, in a process of its own; its base URL, model name and log."""
@@ -54,43 +42,15 @@ def server(tmp_path_factory):
     path = testing.tiny_model("LlamaForCausalLM", folder / "model")
     save_file({"up": vector_of(1), "down": -vector_of(1)}, str(folder / "vectors.safetensors"))
     (folder / "chat.jinja").write_text(TEMPLATE)
-    port = free_port()
-    log = open(folder / "server.log", "w")
-    command = [
-        sys.executable, "-c", "from vlenvoys.cli import app; app()", "serve", str(path),
-        "--host", "127.0.0.1", "--port", str(port), "--api-key", KEY, "--max-model-len", "256",
+    arguments = [
+        "--api-key", KEY, "--max-model-len", "256",
         "--vectors", str(folder / "vectors.safetensors"), "--chat-template", str(folder / "chat.jinja"),
         "--served-model-name", "tiny", "--enable-scale-out",
         # On a GPU, beside the session's engine: a share as small as the test engines' (vlenvoys.oracle.engine).
         *(["--gpu-memory-utilization", "0.08", "--kv-cache-memory-bytes", str(1 << 30)] if torch.cuda.is_available() else []),
     ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        import httpx
-
-        deadline = time.monotonic() + 300
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"the server exited ({process.returncode}):\n{(folder / 'server.log').read_text()[-4000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not start:\n{(folder / 'server.log').read_text()[-4000:]}")
-            time.sleep(1)
-        yield {"url": url, "model": "tiny", "log": folder / "server.log", "pid": process.pid, "path": path}
-    finally:
-        os.killpg(process.pid, signal.SIGINT)  # its own session: the server and its engine processes
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(10)
-        log.close()
+    with testing.server(path, folder / "server.log", *arguments) as started:
+        yield {**started, "model": "tiny", "path": path}
 
 
 @pytest.fixture(scope="module")
@@ -313,6 +273,8 @@ MALFORMED = [
     ({"steering": [{"layer": 0, "vector": "up"}] * 17}, "at most 16 are served"),
     ({"steering": [{"layer": 1, "vector": "up"}, {"layer": 1, "vector": "up"}]}, "block 1 is steered by two entries"),
     ({"steering": "up"}, "expected an entry"),
+    ({"steering": [{"vector": "up"}]}, "steering[0]: no layer"),
+    ({"capture": [{"value": "layer_output", "layers": 1}] * 17}, "capture: 17 entries, at most 16 are served"),
     ({"capture": [{"value": "layer_output", "layer": 1}]}, "unknown keys ['layer']"),
     ({"capture": [{"value": "layer_oops", "layers": 1}]}, "unknown value 'layer_oops'"),
     ({"capture": [{"value": "layer_output", "layers": [3]}]}, "block 3 does not exist; the model has blocks 0 to 2"),

@@ -86,16 +86,8 @@ def test_the_tiny_cohere_has_what_a_misplaced_piece_would_show(tmp_path):
     assert all(not torch.equal(norm, torch.ones_like(norm)) for norm in norms)
 
 
-def test_serve_refuses_neox_by_its_reason(tmp_path):
-    """`vlenvoys serve` does not run the transformers backend, and says so (not that no family declares it)."""
-    import argparse
-
-    from vlenvoys.serving import prepare
-
+def test_support_reads_neox_from_its_declarations_on_the_backend(tmp_path):
+    """`vlenvoys.support` of a checkpoint declared on the transformers backend alone: its parallel block by name."""
     path = testing.tiny_model("GPTNeoXForCausalLM", tmp_path / "neox")
-    args = argparse.Namespace(model=str(path), model_tag=None, headless=False, api_server_count=1,
-                              data_parallel_size=1, model_impl="auto", worker_cls=None)
-    with pytest.raises(ValueError, match="declared on vLLM's transformers backend alone"):
-        prepare(args)
     support = vlenvoys.support(str(path))
     assert support["layer", "layer_mid"].code == "PARALLEL"

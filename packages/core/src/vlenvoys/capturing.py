@@ -59,7 +59,7 @@ from typing import Any
 
 import torch
 
-from .serving import GENERATING, SteeringError, salt_of
+from .serving import GENERATING, SteeringError, field_entries, salt_of
 
 __all__ = ["DTYPES", "MAX_BYTES", "CaptureError", "Captures", "capture_spec", "decode"]
 
@@ -102,19 +102,8 @@ def capture_spec(field: Any, num_layers: int) -> list[dict]:
     from .oracle import VALUES
 
     owners = {name: owner for owner, name in VALUES}
-    entries = [field] if isinstance(field, dict) else field
-    if not isinstance(entries, list) or not entries:
-        raise CaptureError("capture: expected an entry {value, layers, positions, dtype} or a non-empty list of them")
-    if len(entries) > MAX_ENTRIES:
-        raise CaptureError(f"capture: {len(entries)} entries, at most {MAX_ENTRIES} are served")
     made, seen = [], set()
-    for number, entry in enumerate(entries):
-        where = f"capture[{number}]"
-        if not isinstance(entry, dict):
-            raise CaptureError(f"{where}: expected an object {{value, layers, positions, dtype}}")
-        unknown = sorted(set(entry) - ENTRY_KEYS)
-        if unknown:
-            raise CaptureError(f"{where}: unknown keys {unknown}; an entry has {sorted(ENTRY_KEYS)}")
+    for where, entry in field_entries(field, "capture", ENTRY_KEYS, MAX_ENTRIES, CaptureError):
         value = entry.get("value")
         if not isinstance(value, str) or value not in owners:
             raise CaptureError(f"{where}: unknown value {value!r}; the standard values are {', '.join(owners)}")

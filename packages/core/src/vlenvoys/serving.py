@@ -55,13 +55,13 @@ import json
 import math
 import numbers
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["SteeringError", "SteeringMiddleware", "Vectors", "guard", "main", "salt_of", "steering_spec"]
+__all__ = ["SteeringError", "SteeringMiddleware", "Vectors", "field_entries", "guard", "main", "salt_of", "steering_spec"]
 
 #: Where named vectors are listed (GET) and registered (POST).
 VECTORS_PATH = "/v1/steering/vectors"
@@ -158,6 +158,31 @@ def _numbers(vector: Any, hidden_size: int, what: str, param: str = "steering") 
     return tensor
 
 
+def field_entries(
+    field: Any, name: str, keys: frozenset[str], most: int, error: type[Exception]
+) -> Iterator[tuple[str, dict]]:
+    """A request field of one entry or a list of them: each entry, named for errors (``name[i]``).
+
+    Raises:
+        error: the field is neither an object nor a non-empty list, it has more than ``most``
+            entries, an entry is not an object, or an entry has a key outside ``keys``.
+    """
+    shape = "{" + ", ".join(sorted(keys)) + "}"
+    entries = [field] if isinstance(field, dict) else field
+    if not isinstance(entries, list) or not entries:
+        raise error(f"{name}: expected an entry {shape} or a non-empty list of them")
+    if len(entries) > most:
+        raise error(f"{name}: {len(entries)} entries, at most {most} are served")
+    for number, entry in enumerate(entries):
+        where = f"{name}[{number}]"
+        if not isinstance(entry, dict):
+            raise error(f"{where}: expected an object {shape}")
+        unknown = sorted(set(entry) - keys)
+        if unknown:
+            raise error(f"{where}: unknown keys {unknown}; an entry has {sorted(keys)}")
+        yield where, entry
+
+
 def steering_spec(field: Any, hidden_size: int, num_layers: int, dtype: torch.dtype, vectors: Vectors) -> dict:
     """A request's ``steering`` field as the spec the engine's `vlenvoys.steering.Steerer` admits.
 
@@ -183,17 +208,8 @@ def steering_spec(field: Any, hidden_size: int, num_layers: int, dtype: torch.dt
     """
     from .steering import Steering
 
-    entries = [field] if isinstance(field, dict) else field
-    if not isinstance(entries, list) or not entries:
-        raise SteeringError("steering: expected an entry {value, layer, vector, factor, positions} or a non-empty list of them")
     specs = []
-    for number, entry in enumerate(entries):
-        where = f"steering[{number}]"
-        if not isinstance(entry, dict):
-            raise SteeringError(f"{where}: expected an object {{value, layer, vector, factor, positions}}")
-        unknown = sorted(set(entry) - ENTRY_KEYS)
-        if unknown:
-            raise SteeringError(f"{where}: unknown keys {unknown}; an entry has {sorted(ENTRY_KEYS)}")
+    for where, entry in field_entries(field, "steering", ENTRY_KEYS, MAX_ENTRIES, SteeringError):
         value = entry.get("value", "layer_output")
         if value not in STEERABLE:
             from .oracle import VALUES
@@ -203,6 +219,8 @@ def steering_spec(field: Any, hidden_size: int, num_layers: int, dtype: torch.dt
                 raise SteeringError(f"{where}: steering {value!r} is not served yet; served: {', '.join(STEERABLE)}")
             raise SteeringError(f"{where}: unknown value {value!r}; served: {', '.join(STEERABLE)}")
         layer = entry.get("layer")
+        if "layer" not in entry:
+            raise SteeringError(f"{where}: no layer; an entry steers one block, e.g. \"layer\": 0")
         if not isinstance(layer, int) or isinstance(layer, bool):
             raise SteeringError(f"{where}.layer: expected a block index (an integer), got {layer!r}")
         if not -num_layers <= layer < num_layers:
@@ -236,8 +254,6 @@ def steering_spec(field: Any, hidden_size: int, num_layers: int, dtype: torch.dt
         elif isinstance(positions, str):
             spec["positions"] = positions
         specs.append(spec)
-    if len(specs) > MAX_ENTRIES:
-        raise SteeringError(f"steering: {len(specs)} entries, at most {MAX_ENTRIES} are served")
     # Entries of one scaled vector and one positions choice share a slot on the engine (one spec, several blocks).
     groups: dict[tuple, list[int]] = {}
     steered: set[int] = set()
@@ -535,15 +551,12 @@ def prepare(args: Any) -> None:
 
     Raises:
         ValueError: what this increment does not serve (several API server
-            processes, headless, gRPC, data parallelism, the transformers
-            backend), a ``--worker-cls`` of the user's, ``--cuda-graphs`` with
+            processes, headless, gRPC, data parallelism), a ``--worker-cls`` of the user's, ``--cuda-graphs`` with
             ``--enforce-eager`` or another compilation mode.
         UnknownArchitecture: no installed family declares the model's architecture.
         FileNotFoundError: no checkpoint, or no ``--vectors`` file.
     """
-    from .engine import _engine_defaults, architectures_of, config_of, worker_class
-    from .errors import UnknownArchitecture
-    from .family import resolve
+    from .engine import _engine_defaults, resolve_checkpoint, worker_class
 
     if getattr(args, "model_tag", None):
         args.model = args.model_tag
@@ -552,20 +565,12 @@ def prepare(args: Any) -> None:
     if (args.api_server_count or 1) > 1 or args.data_parallel_size > 1:
         raise ValueError("vlenvoys serve runs one API server process and one engine: drop --api-server-count and "
                          "--data-parallel-size (the named vectors live in that one process)")
-    if args.model_impl == "transformers":
-        raise ValueError("vLLM's transformers backend is not served: steering needs the family's block output")
+    # An architecture declared on vLLM's transformers backend alone runs there, as `vlenvoys.load` runs it.
+    chosen_impl = {"model_impl": args.model_impl}
+    resolve_checkpoint(args.model, chosen_impl)
+    args.model_impl = chosen_impl["model_impl"]
     if args.worker_cls not in (None, "auto"):
         raise ValueError(f"--worker-cls {args.worker_cls}: vlenvoys serve runs its own worker")
-    try:
-        resolve(architectures_of(args.model), backend=False, config=config_of(args.model))
-    except UnknownArchitecture:
-        with contextlib.suppress(UnknownArchitecture):
-            resolve(architectures_of(args.model), backend=True, config=config_of(args.model))
-            raise ValueError(
-                f"{args.model}: its architecture is declared on vLLM's transformers backend alone, which vlenvoys "
-                "serve does not run (steering needs the family's block output); traces and vlenvoys.collect serve it"
-            ) from None
-        raise
     if args.vectors:
         from transformers import AutoConfig
 

@@ -280,8 +280,6 @@ def eligible(model: Any) -> str | None:
     block = model.layers[0]
     value = type(block).layer_output
     reason = unhookable(block, value)
-    if reason is None and value._batch(block):
-        reason = "carries the batch axis (vLLM's transformers backend)"
     return None if reason is None else f"layer_output {reason}"
 
 
@@ -427,18 +425,22 @@ class Steerer:
                 return None
             if self.fused:
                 halves = value.halves(envoy, output)
+                if halves is not None:
+                    # Rows of the step: vLLM's transformers backend runs the step as one sequence, [1, tokens, hidden].
+                    halves = tuple(None if half is None else half.flatten(0, -2) for half in halves)
                 if halves is not None and kernels.fits(*halves):
                     # One launch, in place; unsteered rows are not touched (see `vlenvoys.kernels`).
                     kernels.steer_rows(*halves, table, index, refused, layer)
                     return None
             current = value.pick(envoy, output)
-            rows = index[: current.shape[0], layer]
-            added = current + table.index_select(0, rows)
+            flat = current.flatten(0, -2)  # [tokens, hidden], with or without the backend's batch axis
+            rows = index[: flat.shape[0], layer]
+            added = flat + table.index_select(0, rows)
             # A row the steering makes non-finite keeps its stream (nothing non-finite reaches the
             # key/value cache, which later requests reuse) and its request is refused (`_settle`).
             finite = torch.isfinite(added).all(-1)
             refused.index_add_(0, rows, (~finite).to(refused.dtype))
-            added = torch.where(finite[:, None], added, current)
+            added = torch.where(finite[:, None], added, flat).view_as(current)
             # What a trace's ``stream[:, positions] += v`` writes back, for the whole step at once.
             return value.place(envoy, output, added, current)
 

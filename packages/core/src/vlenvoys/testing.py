@@ -19,17 +19,24 @@ and next-token distributions are not flat.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import pathlib
 import shutil
+import signal
+import socket
+import subprocess
+import sys
 import tempfile
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["PROMPTS", "architectures", "tiny_model"]
+__all__ = ["PROMPTS", "architectures", "server", "tiny_model"]
 
 # Bump when the defaults or the tokenizer change, to invalidate cached builds.
 _BUILDER_VERSION = 1
@@ -353,3 +360,48 @@ def _tokenizer(max_length: int) -> Any:
         add_bos_token=True,
         model_max_length=max_length,
     )
+
+
+@contextlib.contextmanager
+def server(model: str | os.PathLike, log: str | os.PathLike, *arguments: str, started_within: float = 300) -> Iterator[dict]:
+    """``vlenvoys serve MODEL ARGUMENTS`` on a free loopback port, in a process group of its own, for the ``with`` body.
+
+    Yields ``{"url": "http://127.0.0.1:PORT", "pid": ..., "log": Path}``
+    once ``/health`` answers; the server's output goes to ``log``. On exit
+    the group (server and engine processes) gets SIGINT, then SIGKILL after 60 s.
+
+    Raises:
+        RuntimeError: the server exited, or did not answer within ``started_within`` seconds
+            (with the end of its log).
+    """
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = pathlib.Path(log)
+    command = [sys.executable, "-c", "from vlenvoys.cli import app; app()", "serve", str(model),
+               "--host", "127.0.0.1", "--port", str(port), *arguments]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    url = f"http://127.0.0.1:{port}"
+    with open(log, "w") as output:
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            deadline = time.monotonic() + started_within
+            while True:
+                if process.poll() is not None:
+                    raise RuntimeError(f"the server exited ({process.returncode}):\n{log.read_text()[-4000:]}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                        break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the server did not start within {started_within} s:\n{log.read_text()[-4000:]}")
+                time.sleep(1)
+            yield {"url": url, "pid": process.pid, "log": log}
+        finally:
+            os.killpg(process.pid, signal.SIGINT)
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait(10)
