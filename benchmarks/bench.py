@@ -14,6 +14,7 @@ time, writing benchmarks/results-h200.md and results-h200.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -80,7 +81,7 @@ def engine_mib(model) -> float:
 
 
 class PeakMemory:
-    """The largest memory of this process and vLLM's together, sampled every 10 ms while in the block (MiB).
+    """The largest memory of this process and vLLM's together, sampled every 20 ms while in the block (MiB).
 
     Each process's proportional set size where Linux gives it (``/proc/PID/smaps_rollup``): a page
     shared by several processes counts once in their sum. The engine's rows reach this process
@@ -104,13 +105,16 @@ class PeakMemory:
 
     def _sample(self) -> None:
         me = psutil.Process(os.getpid())
+        # The engine's processes are up before the block: listed once (a scan of /proc every sample
+        # held the interpreter's lock long enough to slow the client being measured).
+        processes = [me, *me.children(recursive=True)]
         while True:
-            try:
-                total = sum(self._bytes(p) for p in (me, *me.children(recursive=True)))
-            except psutil.NoSuchProcess:
-                continue
+            total = 0
+            for process in processes:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    total += self._bytes(process)
             self.peak = max(self.peak, total / 2**20)
-            if self._done.wait(0.01):
+            if self._done.wait(0.02):
                 return
 
     def __exit__(self, *exc) -> None:

@@ -4,7 +4,7 @@ For each corpus size (tokens of windows) it measures, on one engine:
 
 - tokens/s of ``collect_dataset`` (one value at one layer, bfloat16 shards on
   disk) and of plain vLLM prefill of the same windows with as many in flight;
-- the peak memory of this process and vLLM's together (proportional set sizes, sampled every 10 ms)
+- the peak memory of this process and vLLM's together (proportional set sizes, sampled every 20 ms)
   during each, to show that a longer corpus does not take more memory;
 - the bytes written.
 

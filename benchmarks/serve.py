@@ -136,7 +136,9 @@ def main() -> None:
     folder = Path(tempfile.mkdtemp(prefix="vlenvoys-bench-serve-"))
     save_file({"bench": torch.randn(hidden, generator=torch.Generator().manual_seed(0))}, str(folder / "v.safetensors"))
     common = ["--model", options.model, "--dtype", dtype, "--max-model-len", "512", "--served-model-name", "bench",
-              "--kv-cache-memory-bytes", str((8 if cuda else 1) << 30)]
+              "--kv-cache-memory-bytes", str((8 if cuda else 1) << 30),
+              # Both servers are up at once: each checks at start that its share of the GPU is free.
+              *(["--gpu-memory-utilization", "0.4"] if cuda else [])]
     # Eager on the CPU; on a GPU both replay graphs of decode steps, set alike (vlenvoys' --cuda-graphs sets these).
     plain_only = ["--compilation-config", '{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}'] if cuda else ["--enforce-eager"]
     ours_only = ["--cuda-graphs"] if cuda else ["--enforce-eager"]
