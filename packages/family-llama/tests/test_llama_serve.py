@@ -278,6 +278,8 @@ MALFORMED = [
     ({"steering": [{"layer": 1, "vector": "up"}, {"layer": 1, "vector": "up"}]}, "block 1 is steered by two entries"),
     ({"steering": "up"}, "expected an entry"),
     ({"steering": [{"vector": "up"}]}, "steering[0]: no layer"),
+    ({"steering": [{"layer": 1}]}, "steering[0]: no vector"),
+    ({"steering": [{"layer": 1, "vector": "nope"}]}, "steering[0].vector: no vector is registered as 'nope'"),
     ({"capture": [{"value": "layer_output", "layers": 1}] * 17}, "capture: 17 entries, at most 16 are served"),
     ({"capture": [{"value": "layer_output", "layer": 1}]}, "unknown keys ['layer']"),
     ({"capture": [{"value": "layer_oops", "layers": 1}]}, "unknown value 'layer_oops'"),

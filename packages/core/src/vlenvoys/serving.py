@@ -225,8 +225,13 @@ def steering_spec(field: Any, hidden_size: int, num_layers: int, dtype: torch.dt
         if not -num_layers <= layer < num_layers:
             raise SteeringError(f"{where}.layer: block {layer} does not exist; the model has blocks 0 to {num_layers - 1}")
         vector = entry.get("vector")
+        if vector is None:
+            raise SteeringError(f"{where}: no vector; give a list of {hidden_size} numbers or a registered vector's name")
         if isinstance(vector, str):
-            vector = vectors.get(vector)
+            try:
+                vector = vectors.get(vector)
+            except SteeringError as error:
+                raise SteeringError(f"{where}.vector: {error}") from None
         else:
             vector = _numbers(vector, hidden_size, f"{where}.vector")
         factor = entry.get("factor", 1.0)
