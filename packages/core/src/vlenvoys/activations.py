@@ -37,12 +37,14 @@ the last one.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import json
 import os
 import queue
 import random
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -60,6 +62,10 @@ MANIFEST = "manifest.json"
 FORMAT = "vlenvoys-activations/1"
 #: Documents tokenized per call of the tokenizer (a fast tokenizer batches them across threads).
 TOKENIZED_AT_ONCE = 256
+#: The interpreter's switch interval while a dataset is collected, in seconds (Python's default: 0.005).
+#: A thread that gives the GIL up for a torch call waits up to this long to have it back while another
+#: thread runs Python, and the client's thread and the copying thread each make such calls all the time.
+SWITCH_INTERVAL = 1e-4
 
 
 def documents(source: Any, field: str = "text") -> Iterator[str]:
@@ -364,24 +370,45 @@ class _InThread:
     The client's thread goes back to the engine while the values of the
     windows that finished are copied into their shard (a copy runs without the
     GIL). The views handed over keep the engine's memory they point to until
-    copied, so the engine holds at most ``depth`` more windows' values.
+    copied, so the engine holds at most ``depth`` more windows' values (twice
+    that with ``together``).
+
+    With ``together``, ``deliver`` is called once with the arguments of every
+    call waiting (a list of tuples): each torch call on this thread gives the
+    GIL up and waits to have it back while the client's thread runs Python, so
+    the fewer calls, the fewer waits (`_Assembler.deliver` copies them all in one).
     """
 
-    def __init__(self, deliver: Callable, depth: int, name: str = "vlenvoys-deliver") -> None:
-        self.deliver = deliver
+    def __init__(self, deliver: Callable, depth: int, name: str = "vlenvoys-deliver", together: bool = False) -> None:
+        self.deliver, self.together = deliver, together
         self.queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._work, name=name, daemon=True)
         self.thread.start()
 
     def _work(self) -> None:
-        while (job := self.queue.get()) is not None:
+        ended = False
+        while not ended and (job := self.queue.get()) is not None:
+            jobs = [job]
+            while self.together:  # every call waiting, in one: see `together`
+                try:
+                    job = self.queue.get_nowait()
+                except queue.Empty:
+                    break
+                if job is None:
+                    ended = True
+                    break
+                jobs.append(job)
             if self.error is None:  # after an error the rest is dropped: the caller raises it at its next call
                 try:
-                    self.deliver(*job)
+                    if self.together:
+                        self.deliver(jobs)
+                    else:
+                        for job in jobs:
+                            self.deliver(*job)
                 except BaseException as error:
                     self.error = error
-            del job
+            del job, jobs
 
     def __call__(self, *args: Any) -> None:
         self.raise_error()
@@ -439,7 +466,10 @@ class _Assembler:
     Each window's kept rows are copied once, from the engine's memory straight
     into their place in the shard's tensors (converted to the stored dtype on
     the way): the place is known when the window is drawn, from the rows the
-    windows before it in the shard keep.
+    windows before it in the shard keep. It runs on a thread beside the one
+    driving the engine, so it makes few torch calls (each gives the GIL up and
+    waits for it again): one copy for every window that came in together, and
+    a shard's token ids and positions built as Python lists.
     """
 
     def __init__(self, plan: Plan, first_window: int, writer: _Writer, begin: int | None) -> None:
@@ -447,45 +477,60 @@ class _Assembler:
         self.dtype = DTYPES[plan.dtype]
         self.start = first_window  # the first window of the shard being assembled
         self.first = first_window  # the run's first window: the stream counts its prompts from here
-        #: Per window drawn and not yet written: (token ids, kept positions, first row in its shard).
-        self.placed: dict[int, tuple[list[int], torch.Tensor | slice, int]] = {}
+        #: Per window drawn and not yet written: (token ids, kept runs of positions [start, stop), first row in its shard).
+        self.placed: dict[int, tuple[list[int], list[tuple[int, int]], int]] = {}
         self.rows_in: dict[int, int] = {}  # shard start window -> rows placed so far
         self.buffers: dict[int, dict[str, torch.Tensor]] = {}  # shard start window -> its value tensors
         self.arrived: set[int] = set()
 
     def register(self, window: int, ids: list[int]) -> list[int]:
         """A window drawn from the corpus: where its rows go. Returns ``ids`` (for the stream)."""
-        keep = self._kept(ids)
-        count = len(range(len(ids))[keep]) if isinstance(keep, slice) else len(keep)
+        runs = self._kept(ids)
         shard = window - (window - self.first) % self.plan.shard_windows
         row = self.rows_in.get(shard, 0)
-        self.rows_in[shard] = row + count
-        self.placed[window] = (ids, keep, row)
+        self.rows_in[shard] = row + sum(stop - start for start, stop in runs)
+        self.placed[window] = (ids, runs, row)
         return ids
 
-    def deliver(self, offset: int, values: dict[str, torch.Tensor]) -> None:
-        """One window's values (the stream's ``offset``-th prompt) in; every shard now whole out to the writer."""
-        window = self.first + offset
-        _, keep, row = self.placed[window]
-        shard = window - (window - self.first) % self.plan.shard_windows
-        buffers = self.buffers.get(shard)
-        if buffers is None:
-            most = self.plan.shard_windows * self.plan.context_length  # the rows a shard keeps at most
-            shapes = {key: ((most, *value.shape[2:]), self.dtype) for key, value in values.items()}
-            buffers = self.buffers[shard] = self.writer.buffers(shapes)
-        for key, value in values.items():
-            rows = value[0, keep] if isinstance(keep, slice) else value[0].index_select(0, keep)
-            buffers[key][row : row + rows.shape[0]].copy_(rows)
-        self.arrived.add(window)
+    def deliver(self, windows: list[tuple[int, dict[str, torch.Tensor]]]) -> None:
+        """Windows' values in, each ``(offset, values)`` (the stream's ``offset``-th prompt); every shard now whole out to the writer."""
+        targets, sources = [], []
+        for offset, values in windows:
+            window = self.first + offset
+            _, runs, row = self.placed[window]
+            shard = window - (window - self.first) % self.plan.shard_windows
+            buffers = self.buffers.get(shard)
+            if buffers is None:
+                most = self.plan.shard_windows * self.plan.context_length  # the rows a shard keeps at most
+                shapes = {key: ((most, *value.shape[2:]), self.dtype) for key, value in values.items()}
+                buffers = self.buffers[shard] = self.writer.buffers(shapes)
+            for key, value in values.items():
+                at = row
+                for start, stop in runs:
+                    targets.append(buffers[key][at : at + stop - start])
+                    sources.append(value[0, start:stop])
+                    at += stop - start
+        if targets:
+            torch._foreach_copy_(targets, sources)
+        del targets, sources
+        self.arrived.update(self.first + offset for offset, _ in windows)
         while all(index in self.arrived for index in range(self.start, self.start + self.plan.shard_windows)):
             self._flush(self.start + self.plan.shard_windows)
 
-    def _kept(self, ids: list[int]) -> torch.Tensor | slice:
+    def _kept(self, ids: list[int]) -> list[tuple[int, int]]:
+        """The positions kept of a window, as runs ``(start, stop)``."""
         if self.plan.positions == "last":
-            return slice(len(ids) - 1, len(ids))
+            return [(len(ids) - 1, len(ids))]
         if self.plan.positions == "no_bos" and self.begin is not None:
-            return torch.tensor([position for position, token in enumerate(ids) if token != self.begin], dtype=torch.long)
-        return slice(0, len(ids))
+            runs, start = [], None
+            for position, token in enumerate(ids):
+                if token == self.begin and start is not None:
+                    runs.append((start, position))
+                    start = None
+                elif token != self.begin and start is None:
+                    start = position
+            return runs if start is None else [*runs, (start, len(ids))]
+        return [(0, len(ids))]
 
     def _flush(self, end: int) -> None:
         windows = range(self.start, end)
@@ -494,13 +539,16 @@ class _Assembler:
         rows = self.rows_in.pop(self.start)
         buffers = self.buffers.pop(self.start)
         shard = {key: buffer[:rows] for key, buffer in buffers.items()}
-        positions = [torch.arange(len(ids))[keep] for ids, keep, _ in placed]
-        # One conversion of every window's ids (a tensor per window cost a second per 1e6 tokens on an H200's host).
-        flat = torch.tensor(list(itertools.chain.from_iterable(ids for ids, _, _ in placed)), dtype=torch.int32)
-        each = flat.split([len(ids) for ids, _, _ in placed])
-        shard["token_ids"] = torch.cat([ids[keep] for ids, (_, keep, _) in zip(each, placed)])
-        shard["position"] = torch.cat(positions).to(torch.int32)
-        shard["window"] = torch.cat([torch.full((len(kept),), index, dtype=torch.int64) for index, kept in zip(windows, positions)])
+        # Python lists, one tensor each: a tensor per window cost a second per 1e6 tokens on an H200's host.
+        ids, positions, window_of = [], [], []
+        for index, (tokens, runs, _) in zip(windows, placed):
+            for start, stop in runs:
+                ids += tokens[start:stop]
+                positions += range(start, stop)
+                window_of += [index] * (stop - start)
+        shard["token_ids"] = torch.tensor(ids, dtype=torch.int32)
+        shard["position"] = torch.tensor(positions, dtype=torch.int32)
+        shard["window"] = torch.tensor(window_of, dtype=torch.int64)
         self.writer.put(shard, self.start, end, buffers)
         self.start = end
 
@@ -624,19 +672,20 @@ def collect_dataset(
     # Three threads beside the client's, which only drives the engine: the corpus is tokenized
     # ahead, each window's values are copied into their shard, and each whole shard is written.
     ahead = _Ahead(cut)
-    deliver = _InThread(assembler.deliver, in_flight)
+    deliver = _InThread(assembler.deliver, in_flight, together=True)
     try:
-        stream(
-            model,
-            itertools.starmap(assembler.register, enumerate(itertools.chain([first], ahead), start=start)),
-            reads,
-            deliver,
-            batch_size=in_flight,
-            progress=(lambda finished: bar.update(finished * context_length)) if bar is not None else None,
-        )
-        deliver.close()
-        assembler.finish()
-        writer.close()
+        with _switching_every(SWITCH_INTERVAL):
+            stream(
+                model,
+                itertools.starmap(assembler.register, enumerate(itertools.chain([first], ahead), start=start)),
+                reads,
+                deliver,
+                batch_size=in_flight,
+                progress=(lambda finished: bar.update(finished * context_length)) if bar is not None else None,
+            )
+            deliver.close()
+            assembler.finish()
+            writer.close()
     except BaseException:
         deliver.stop()  # the values already out of the engine go to their shards,
         writer.stop()  # and the shards already whole are written before the error goes up
@@ -647,6 +696,17 @@ def collect_dataset(
             bar.close()
     shards.finish()
     return Activations(out)
+
+
+@contextlib.contextmanager
+def _switching_every(interval: float) -> Iterator[None]:
+    """The interpreter's switch interval set to ``interval`` seconds for the block (see `SWITCH_INTERVAL`)."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(interval)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
 
 
 def make_plan(
