@@ -69,6 +69,40 @@ def test_rows_come_back_equal_and_no_file_outlives_the_arena(where, dtype):
     assert torch.equal(got[1], expected[1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unread_rows_read_into_place_are_the_rows(where, dtype):
+    """`rows_of` and `read_rows`: runs of each request's rows (some skipped, some across two chunks' pieces)
+    land in one destination's rows in order, read from the files or the inline bytes; `Rows.tensor` is all of them."""
+    name = f"test-{os.getpid()}-unread-{where.replace(' ', '')}-{str(dtype)[6:]}"
+    arena = Arena(name, device_copies=False)
+    arena.files = where == "files"
+    generator = torch.Generator().manual_seed(1)
+    lengths = [[3, 5], [2], [7, 1, 4], [200], [100]]
+    steps = [torch.randn(sum(counts), 2, 8, generator=generator).to(dtype) for counts in lengths]
+    pieces = write_steps(arena, steps, lengths)
+    # The last request's rows came in two steps (a prefill in chunks): two pieces, in two chunks.
+    requests = [pieces[number] for number in range(6)] + [pieces[6] + pieces[7]]
+    expected = torch.cat(steps).split([3, 5, 2, 7, 1, 4, 300])
+    handed = arena.handover({"v": requests}, {"v": ([2, 8], str(dtype)[6:])}, owner="c")
+    unread = handover.rows_of(handed)["v"]
+    assert [rows.count for rows in unread] == [len(rows) for rows in expected]
+    assert (where == "files") == all(held is not None for rows in unread for held, _, _ in rows.pieces)
+    assert len(unread[-1].pieces) == 2
+    runs = [[(0, 3)], [(1, 5)], [(0, 1), (1, 2)], [(0, 2), (3, 7)], [(0, 1)], [(0, 4)], [(1, 150), (160, 260), (290, 300)]]
+    want = torch.cat([expected[number][start:stop] for number, each in enumerate(runs) for start, stop in each])
+    destination = torch.full((len(want) + 5, 2, 8), -1.0, dtype=dtype)
+    reads, first = [], 5  # from row 5 on
+    for rows, each in zip(unread, runs, strict=True):
+        reads.append((rows, each, memoryview(destination.view(-1).view(torch.uint8).numpy()), first))
+        first += sum(stop - start for start, stop in each)
+    handover.read_rows(reads)
+    assert torch.equal(destination[5:], want) and bool((destination[:5] == -1).all())
+    assert all(torch.equal(rows.tensor(), theirs) for rows, theirs in zip(unread, expected, strict=True))
+    del unread, reads
+    arena.close()
+    assert mine(name) == []
+
+
 @pytest.fixture
 def files_only(monkeypatch):
     monkeypatch.setattr(handover, "FIRST_CHUNK", 4096)
@@ -123,6 +157,32 @@ def test_a_chunk_is_reused_only_once_the_client_let_go_of_it(files_only):
     third = one_take(arena, torch.full((4, 8), 3.0))
     assert len(mine(name)) == 2, "the first chunk, let go, was reused"
     assert torch.equal(second, torch.full((4, 8), 2.0)) and torch.equal(third, torch.full((4, 8), 3.0))
+    arena.close()
+    assert mine(name) == []
+
+
+def test_unread_rows_keep_their_chunk_from_reuse_until_they_go(files_only):
+    name = f"test-{os.getpid()}-unread-reuse"
+    arena = Arena(name, device_copies=False)
+
+    def unread_take(value: float) -> handover.Rows:
+        pieces = write_steps(arena, [torch.full((4, 8), value)], [[4]])
+        return handover.rows_of(arena.handover({"v": [pieces[0]]}, {"v": ([8], "float32")}, owner="c"))["v"][0]
+
+    first = unread_take(1.0)
+    fill(arena)
+    arena.acknowledge("c")
+    second = unread_take(2.0)
+    assert len(mine(name)) == 2, "the first chunk's rows are not read yet: a new one was made"
+    assert torch.equal(first.tensor(), torch.full((4, 8), 1.0))
+    del first
+    gc.collect()
+    fill(arena)
+    arena.acknowledge("c")
+    third = unread_take(3.0)
+    assert len(mine(name)) == 2, "the first chunk, let go, was reused"
+    assert torch.equal(second.tensor(), torch.full((4, 8), 2.0)) and torch.equal(third.tensor(), torch.full((4, 8), 3.0))
+    del second, third
     arena.close()
     assert mine(name) == []
 

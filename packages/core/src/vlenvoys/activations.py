@@ -53,6 +53,8 @@ from typing import Any
 
 import torch
 
+from .handover import Rows, read_rows
+
 __all__ = ["POSITIONS", "Activations", "Plan", "collect_dataset", "documents", "windows"]
 
 #: Which positions of each window are kept: every one, every one but the BOS tokens, or the last.
@@ -481,6 +483,7 @@ class _Assembler:
         self.placed: dict[int, tuple[list[int], list[tuple[int, int]], int]] = {}
         self.rows_in: dict[int, int] = {}  # shard start window -> rows placed so far
         self.buffers: dict[int, dict[str, torch.Tensor]] = {}  # shard start window -> its value tensors
+        self.bytes: dict[int, dict[str, memoryview]] = {}  # shard start window -> its value tensors' bytes
         self.arrived: set[int] = set()
 
     def register(self, window: int, ids: list[int]) -> list[int]:
@@ -492,27 +495,39 @@ class _Assembler:
         self.placed[window] = (ids, runs, row)
         return ids
 
-    def deliver(self, windows: list[tuple[int, dict[str, torch.Tensor]]]) -> None:
-        """Windows' values in, each ``(offset, values)`` (the stream's ``offset``-th prompt); every shard now whole out to the writer."""
-        targets, sources = [], []
+    def deliver(self, windows: list[tuple[int, dict[str, torch.Tensor | Rows]]]) -> None:
+        """Windows' values in, each ``(offset, values)`` (the stream's ``offset``-th prompt); every shard now whole out to the writer.
+
+        A value is a ``[1, tokens, ...]`` tensor, or `Rows` not yet read (`stream`'s ``unread``): those in
+        the stored dtype are read from the engine's files straight into the shard (`read_rows`), the others
+        read, then converted with the tensors' copy.
+        """
+        unread, targets, sources = [], [], []
         for offset, values in windows:
             window = self.first + offset
             _, runs, row = self.placed[window]
             shard = window - (window - self.first) % self.plan.shard_windows
-            buffers = self.buffers.get(shard)
-            if buffers is None:
+            if shard not in self.buffers:
                 most = self.plan.shard_windows * self.plan.context_length  # the rows a shard keeps at most
-                shapes = {key: ((most, *value.shape[2:]), self.dtype) for key, value in values.items()}
+                shapes = {key: ((most, *_row_shape(value)), self.dtype) for key, value in values.items()}
                 buffers = self.buffers[shard] = self.writer.buffers(shapes)
+                self.bytes[shard] = {key: memoryview(buffer.view(-1).view(torch.uint8).numpy()) for key, buffer in buffers.items()}
+            buffers = self.buffers[shard]
             for key, value in values.items():
+                if isinstance(value, Rows) and value.dtype == self.dtype:
+                    unread.append((value, runs, self.bytes[shard][key], row))
+                    continue
+                if isinstance(value, Rows):
+                    value = value.tensor().unsqueeze(0)
                 at = row
                 for start, stop in runs:
                     targets.append(buffers[key][at : at + stop - start])
                     sources.append(value[0, start:stop])
                     at += stop - start
+        read_rows(unread)
         if targets:
             torch._foreach_copy_(targets, sources)
-        del targets, sources
+        del unread, targets, sources
         self.arrived.update(self.first + offset for offset, _ in windows)
         while all(index in self.arrived for index in range(self.start, self.start + self.plan.shard_windows)):
             self._flush(self.start + self.plan.shard_windows)
@@ -538,6 +553,7 @@ class _Assembler:
         self.arrived.difference_update(windows)
         rows = self.rows_in.pop(self.start)
         buffers = self.buffers.pop(self.start)
+        del self.bytes[self.start]
         shard = {key: buffer[:rows] for key, buffer in buffers.items()}
         # Python lists, one tensor each: a tensor per window cost a second per 1e6 tokens on an H200's host.
         ids, positions, window_of = [], [], []
@@ -682,6 +698,7 @@ def collect_dataset(
                 deliver,
                 batch_size=in_flight,
                 progress=(lambda finished: bar.update(finished * context_length)) if bar is not None else None,
+                unread=True,
             )
             deliver.close()
             assembler.finish()
@@ -696,6 +713,11 @@ def collect_dataset(
             bar.close()
     shards.finish()
     return Activations(out)
+
+
+def _row_shape(value: torch.Tensor | Rows) -> tuple[int, ...]:
+    """One token's row of a value: `Rows`' own shape, or a ``[1, tokens, ...]`` tensor's after its first two axes."""
+    return value.shape if isinstance(value, Rows) else tuple(value.shape[2:])
 
 
 @contextlib.contextmanager

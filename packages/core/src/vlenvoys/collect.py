@@ -142,6 +142,7 @@ def stream(
     batch_size: int,
     progress: Callable[[int], Any] | None = None,
     kept: bool = False,
+    unread: bool = False,
 ) -> None:
     """`collect` without keeping anything: ``deliver(index, values)`` as each prompt's values arrive.
 
@@ -154,13 +155,16 @@ def stream(
     it keeps from (the engine reuses that memory once the views are gone).
     ``kept``: the caller keeps every prompt's values for the run, as they
     come (`collect`): the views then share one mapping per file for the run.
+    ``unread``: on the fast path each value comes as `vlenvoys.handover.Rows`
+    (``[tokens, ...]`` rows not yet read, which ``deliver`` reads into its own
+    memory with `vlenvoys.handover.read_rows`), tensors elsewhere.
     Raises what `collect` raises; an error of ``deliver`` aborts the requests in flight.
     """
     from .handover import one_thread_beside_a_cpu_engine
 
     with one_thread_beside_a_cpu_engine():
         if collector.eligible(model, reads) is None and _ranks(model) == 1:
-            _batched(model, prompts, reads, batch_size, progress, deliver, kept)
+            _batched(model, prompts, reads, batch_size, progress, deliver, kept, unread)
         else:
             _registered(model, prompts, reads, batch_size, progress, deliver)
 
@@ -182,7 +186,9 @@ def _registered(model: Any, prompts: Iterable, reads: list[Read], batch_size: in
         _run(model, prompts, params, batch_size, progress, lambda finished: [_values_of(*each) for each in finished], deliver)
 
 
-def _batched(model: Any, prompts: Iterable, reads: list[Read], batch_size: int, progress: Any, deliver: Callable, kept: bool) -> None:
+def _batched(
+    model: Any, prompts: Iterable, reads: list[Read], batch_size: int, progress: Any, deliver: Callable, kept: bool, unread: bool = False
+) -> None:
     """The fast path: one hook per module per step on the worker, no nnsight worker per request (`vlenvoys.collector`)."""
     engine = model.vllm_entrypoint.llm_engine
     name = collector.new_name()
@@ -197,7 +203,10 @@ def _batched(model: Any, prompts: Iterable, reads: list[Read], batch_size: int, 
 
     def fetch(finished: list) -> list[dict]:
         (packed, *_) = engine.collective_rpc("vlenvoys_collect_take", args=(name, [output.request_id for output, _ in finished]))
-        taken = collector.split(model, reads, collector.received(packed, run_maps))
+        if unread:
+            taken = collector.unread(model, reads, packed)
+        else:
+            taken = collector.split(model, reads, collector.received(packed, run_maps))
         values = []
         for output, index in finished:
             got = taken[output.request_id]

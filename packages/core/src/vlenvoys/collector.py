@@ -23,6 +23,7 @@ short.
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -376,6 +377,22 @@ def split(model: Any, reads: Sequence[Read], taken: dict) -> dict[str, dict[str,
             if head_dim is not None:
                 rows = rows.reshape(*rows.shape[:-1], -1, head_dim)
             result.setdefault(caller_id, {})[key] = value._stub(envoy, rows.unsqueeze(0))
+    return result
+
+
+def unread(model: Any, reads: Sequence[Read], taken: dict[str, Any]) -> dict[str, dict[str, handover.Rows] | str]:
+    """Client side: `take`'s answer as each request's values not yet read (`vlenvoys.handover.Rows`, one
+    row per token, each row in the value's layout), or why it has none: for a caller that reads them straight
+    into its own memory (`vlenvoys.activations.collect_dataset`). Raises what `vlenvoys.handover.rows_of` raises."""
+    result: dict[str, Any] = dict(taken["missing"])
+    values = handover.rows_of(taken)
+    for read in reads:
+        envoy, value = _descriptor(model, read)
+        key, head_dim = f"{read[2]}.{read[0]}", value._head_dim(envoy)
+        for caller_id, rows in zip(taken["order"], values.get(key, ()), strict=True):
+            if head_dim is not None:
+                rows = dataclasses.replace(rows, shape=(*rows.shape[:-1], rows.shape[-1] // head_dim, head_dim))
+            result.setdefault(caller_id, {})[key] = rows  # every value's stub returns what it is given
     return result
 
 

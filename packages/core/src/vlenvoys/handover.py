@@ -45,6 +45,7 @@ for saves, the flags alone decide reuse.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import io
 import mmap
@@ -53,7 +54,7 @@ import re
 import tempfile
 import uuid
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -452,6 +453,127 @@ def received(handed: dict[str, Any], maps: dict[str, torch.Tensor] | None = None
                 parts.append(maps[path][offset : offset + count * each].view(dtype).view(count, *shape))
             out[key].append(parts[0] if len(parts) == 1 else torch.cat(parts))
     return out
+
+
+class _Held:
+    """A descriptor of one engine file, with a shared lock on it (the worker does not reuse the chunk) while it lives."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self, path: str) -> None:
+        self.fd = -1
+        handle = _opened(path, os.O_RDONLY)
+        fcntl.flock(handle, fcntl.LOCK_SH)
+        self.fd = handle
+
+    def __del__(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)  # the lock goes with it
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """One request's rows of one value, where the engine left them, not yet read.
+
+    ``count`` rows of ``shape`` (one row's shape, in the value's layout) and
+    ``dtype``. Each file's piece holds a descriptor with a shared lock, so the
+    worker does not reuse that memory until the object is gone (as with a
+    mapping in `received`). `read_rows` reads them with ``os.preadv``
+    straight into their place: no mapping and no page faults, and the GIL
+    given up once per contiguous run of a file, where a copy out of a mapping
+    is a torch call per request (each gives the GIL up and waits for it again
+    while another thread runs Python; measured on an H200's host: 0.04 GB/s).
+    """
+
+    #: (file or None for the handover's inline bytes, byte offset in the file or row offset in those bytes, rows).
+    pieces: tuple[tuple[_Held | None, int, int], ...]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    #: The handover's inline rows of this value (process memory on the engine), as bytes; None if none.
+    inline: memoryview | None = None
+
+    @property
+    def count(self) -> int:
+        return sum(count for _, _, count in self.pieces)
+
+    @property
+    def row_bytes(self) -> int:
+        return torch.Size(self.shape).numel() * self.dtype.itemsize
+
+    def tensor(self) -> torch.Tensor:
+        """The rows, read now into a new ``[count, *shape]`` tensor."""
+        out = torch.empty((self.count, *self.shape), dtype=self.dtype)
+        read_rows([(self, [(0, self.count)], memoryview(out.view(-1).view(torch.uint8).numpy()), 0)])
+        return out
+
+
+def rows_of(handed: dict[str, Any]) -> dict[str, list[Rows]]:
+    """Client side: each request's rows (per value key, in the handover's order) as `Rows`, not read.
+
+    Raises:
+        RuntimeError: a file is not on this host (an engine on another machine).
+    """
+    inline = torch.load(io.BytesIO(handed["inline"]), weights_only=True) if handed["inline"] else {}
+    held: dict[str, _Held] = {}
+    out: dict[str, list[Rows]] = {}
+    for key, requests in handed["pieces"].items():
+        shape, dtype = handed["rows"][key]
+        flat = memoryview(inline[key].reshape(-1).view(torch.uint8).numpy()) if key in inline else None
+        out[key] = []
+        for where in requests:
+            pieces = []
+            for path, offset, count in where:
+                if path is not None and path not in held:
+                    held[path] = _Held(path)
+                pieces.append((held.get(path), offset, count))
+            out[key].append(Rows(tuple(pieces), tuple(shape), getattr(torch, dtype), flat))
+    return out
+
+
+#: Buffers one ``preadv`` call takes at most.
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
+
+
+def read_rows(reads: Iterable[tuple[Rows, Sequence[tuple[int, int]], memoryview, int]]) -> None:
+    """Read rows into place: for each ``(rows, runs, destination, first)``, the rows ``[start, stop)`` of each run,
+    in order, into ``destination`` (the bytes of a tensor of rows as long as these, e.g. a shard's) from row ``first`` on.
+
+    Pieces that lie back to back in a file are read by one ``os.preadv``.
+
+    Raises:
+        RuntimeError: a file ended before the rows it should hold.
+    """
+    segments: dict[int, list[tuple[int, memoryview]]] = {}
+    for rows, runs, destination, first in reads:
+        each = rows.row_bytes
+        at = first * each
+        for start, stop in runs:
+            base = 0  # the request's row the piece starts at
+            for held, offset, count in rows.pieces:
+                low, high = max(start, base), min(stop, base + count)
+                if low < high:
+                    size = (high - low) * each
+                    target = destination[at : at + size]
+                    if held is None:  # inline: the offset counts rows
+                        begin = (offset + low - base) * each
+                        target[:] = rows.inline[begin : begin + size]
+                    else:
+                        segments.setdefault(held.fd, []).append((offset + (low - base) * each, target))
+                    at += size
+                base += count
+    for fd, parts in segments.items():
+        parts.sort(key=lambda part: part[0])
+        index = 0
+        while index < len(parts):
+            offset, views = parts[index][0], [parts[index][1]]
+            end = offset + len(views[0])
+            index += 1
+            while index < len(parts) and parts[index][0] == end and len(views) < _IOV_MAX:
+                views.append(parts[index][1])
+                end += len(parts[index][1])
+                index += 1
+            if os.preadv(fd, views, offset) != end - offset:
+                raise RuntimeError("an engine file ended before the rows it was said to hold")
 
 
 def taken_saves(where: tuple[str, int], size: int, take: Any, pin: bool = False) -> Any:
