@@ -14,9 +14,9 @@ class Routed(Mlp):
     KIND = "routed"
 
 
-class RoutedWithRoutes(Mlp):
+class RoutedWithoutRoutes(Mlp):
     KIND = "routed"
-    ROUTES = "router.output"
+    ROUTES = None
 
 
 ROUTER_VALUES = ("mlp_router_logits", "mlp_router_experts", "mlp_router_weights")
@@ -29,21 +29,76 @@ def test_a_dense_mlp_refuses_every_router_value_as_not_routed(kind):
         assert dense.unavailable(name) == vlenvoys.NOT_ROUTED
 
 
-def test_a_mixture_of_experts_serves_its_logits_and_refuses_the_fused_choice():
-    assert Routed.unavailable("mlp_router_logits") is None
-    assert Routed.unavailable("mlp_router_experts") == vlenvoys.FUSED_ROUTING
-    assert Routed.unavailable("mlp_router_weights") == vlenvoys.FUSED_ROUTING
+def test_a_mixture_of_experts_serves_its_logits_and_its_routing():
+    for name in ROUTER_VALUES:
+        assert Routed.unavailable(name) is None
+    assert Routed.ROUTES == "experts.routes.output"  # the child core gives vLLM's FusedMoE layer
     # Still no neurons, and the other refusals are unchanged.
     assert Routed.unavailable("mlp_neurons") == vlenvoys.ROUTED
-    assert RoutedWithRoutes.unavailable("mlp_router_experts") is None
-    assert RoutedWithRoutes.unavailable("mlp_router_weights") is None
+    assert RoutedWithoutRoutes.unavailable("mlp_router_experts") == vlenvoys.FUSED_ROUTING
+    assert RoutedWithoutRoutes.unavailable("mlp_router_weights") == vlenvoys.FUSED_ROUTING
+
+
+class _Runner(torch.nn.Module):
+    """Stands for vLLM's FusedMoE layer (a MoERunner): what `Routes` asks of it."""
+
+    def __init__(self, monolithic: bool) -> None:
+        super().__init__()
+        self.is_monolithic = monolithic
+
+
+@pytest.mark.parametrize("monolithic", [False, True])
+def test_the_routing_is_refused_by_name_where_the_kernel_is_monolithic(monolithic):
+    from vlenvoys.routing import Routes
+
+    block = torch.nn.Module()
+    block.experts = _Runner(monolithic)
+    block.experts.add_module("routes", Routes(block.experts, 4))
+    envoy = Routed(block)
+    for name in ("mlp_router_experts", "mlp_router_weights"):
+        assert envoy.unavailable_here(name) == (vlenvoys.FUSED_ROUTING if monolithic else None)
+    assert envoy.unavailable_here("mlp_router_logits") is None
+    rows = {row.value: row for row in _rows("mlp", Routed, envoy)}
+    assert rows["mlp_router_weights"].available is not monolithic
+    weights, experts = torch.rand(3, 2), torch.randint(0, 4, (3, 2), dtype=torch.int32)
+    assert block.experts.routes(weights, experts) == (weights, experts)  # an identity
+
+
+def test_the_routing_is_served_by_weight_highest_first_and_written_back_as_the_model_holds_it():
+    from vlenvoys.routing import Chosen, Routes
+
+    block = torch.nn.Module()
+    block.experts = _Runner(False)
+    block.experts.add_module("routes", Routes(block.experts, 4))
+    envoy = Routed(block)
+    weights = torch.tensor([[0.2, 0.8], [0.7, 0.3]])
+    experts = torch.tensor([[3, 1], [0, 2]], dtype=torch.int32)
+    raw = (weights, experts)
+    chosen_experts, chosen_weights = Mlp.mlp_router_experts, Mlp.mlp_router_weights
+    assert isinstance(chosen_experts, Chosen)
+    served = chosen_experts.pick(None, raw)
+    assert served.dtype == torch.int64 and served.tolist() == [[1, 3], [0, 2]]
+    assert torch.equal(chosen_weights.pick(None, raw), torch.tensor([[0.8, 0.2], [0.7, 0.3]]))
+    # A written weight goes with the expert served beside it; the model gets its own dtypes, contiguous.
+    new_weights, new_experts = chosen_weights.place(None, raw, torch.tensor([[0.1, 0.9], [0.5, 0.5]]), None)
+    assert new_experts.dtype == torch.int32 and new_experts.tolist() == [[1, 3], [0, 2]]
+    assert torch.equal(new_weights, torch.tensor([[0.1, 0.9], [0.5, 0.5]]))
+    written = chosen_experts.place(envoy, raw, torch.tensor([[2, 3], [1, 2]]), None)
+    assert written[1].dtype == torch.int32 and written[1].tolist() == [[2, 3], [1, 2]]
+    assert torch.equal(written[0], torch.tensor([[0.8, 0.2], [0.7, 0.3]]))
+    with pytest.raises(vlenvoys.InvalidWrite, match="distinct"):
+        chosen_experts.place(envoy, raw, torch.tensor([[2, 2], [1, 2]]), None)
+    with pytest.raises(vlenvoys.InvalidWrite, match=r"must lie in \[0, 4\)"):
+        chosen_experts.place(envoy, raw, torch.tensor([[2, 4], [1, 2]]), None)
 
 
 def test_support_lists_the_router_values_with_their_layouts_and_codes():
     rows = {row.value: row for row in _rows("mlp", Routed)}
     assert rows["mlp_router_logits"].available and rows["mlp_router_logits"].shape == "[1, T, E]"
-    assert rows["mlp_router_experts"].code == "FUSED_ROUTING" and rows["mlp_router_experts"].shape == "[1, T, K]"
+    assert rows["mlp_router_experts"].available and rows["mlp_router_experts"].shape == "[1, T, K]"
     assert rows["mlp_router_weights"].layout == "Routes"
+    refused = {row.value: row for row in _rows("mlp", RoutedWithoutRoutes)}
+    assert refused["mlp_router_experts"].code == "FUSED_ROUTING"
     dense = {row.value: row for row in _rows("mlp", Mlp)}
     assert [dense[name].code for name in ROUTER_VALUES] == ["NOT_ROUTED"] * 3
     assert Mlp.mlp_router_logits.layout == "Experts"

@@ -17,7 +17,8 @@ import pytest
 import torch
 import vlenvoys
 from vlenvoys import testing
-from vlenvoys.conformance import TOLERANCE, record
+from vlenvoys.conformance import TOLERANCE, greedy_steps, record, same_steps
+from vlenvoys.engine import _TRITON_F32
 from vlenvoys.serving import anyio_classes_first
 
 anyio_classes_first()  # the openai client's anyio classes, defined under nnsight's .save mount otherwise
@@ -77,29 +78,12 @@ def pairs(logprobs) -> list[tuple[int, float]]:
 
 
 def generated(model, ids, steering=None) -> list[tuple[int, float]]:
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=1)
-    (output,) = vlenvoys.generate(model, [ids], params, steering=steering, use_tqdm=False)
-    done = output.outputs[0]
-    return [(token, step[token].logprob) for token, step in zip(done.token_ids, done.logprobs, strict=True)]
+    return greedy_steps(model, ids, STEPS, steering)
 
 
 def same_as_alone(got, want, what: str) -> bool:
-    """A request's tokens and log-probabilities served beside others against the same request alone.
-
-    Bit-identical on the CPU engine. vLLM's GPU kernels tile by the step's shape, so there the
-    log-probabilities are held to the oracle's float32 bound and the difference is recorded.
-    """
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu() or got == want:
-        return got == want
-    if [token for token, _ in got] != [token for token, _ in want]:
-        return False
-    difference = max(abs(a - b) / max(1.0, abs(b)) for (_, a), (_, b) in zip(got, want, strict=True))
-    record("LlamaForCausalLM (vlenvoys serve)", f"{what} (relative)", difference)
-    return difference <= TOLERANCE
+    """A request served beside others against the same request alone (`vlenvoys.conformance.same_steps`)."""
+    return same_steps(got, want, "LlamaForCausalLM (vlenvoys serve)", what)
 
 
 def assert_equal(got, want, what: str) -> None:
@@ -129,7 +113,7 @@ def test_a_plain_completion_is_plain_vllms(server, client, prompts, monkeypatch)
 
     from vllm.platforms import current_platform
 
-    monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
+    monkeypatch.setenv(_TRITON_F32, "ieee")
 
     # On a GPU, a small share as the test engines take (vLLM's default 0.92 fails beside them).
     share = {"gpu_memory_utilization": 0.08} if current_platform.is_cuda_alike() else {}

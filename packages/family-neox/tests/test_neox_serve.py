@@ -11,7 +11,7 @@ import pytest
 import torch
 import vlenvoys
 from vlenvoys import testing
-from vlenvoys.conformance import TOLERANCE, host, record
+from vlenvoys.conformance import TOLERANCE, greedy_steps, host, record, same_steps
 from vlenvoys.serving import anyio_classes_first
 
 anyio_classes_first()  # the openai client's anyio classes, defined under nnsight's .save mount otherwise
@@ -42,20 +42,11 @@ def completion(client, ids, **body):
 
 
 def generated(model, ids, steering=None):
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=1)
-    (output,) = vlenvoys.generate(model, [ids], params, steering=steering, use_tqdm=False)
-    done = output.outputs[0]
-    return [(token, step[token].logprob) for token, step in zip(done.token_ids, done.logprobs, strict=True)]
+    return greedy_steps(model, ids, STEPS, steering)
 
 
 def assert_same_steps(got, want, what):
-    """Tokens equal; log-probabilities bit-identical on the CPU engine, within the oracle's bound on a GPU (kernels tile by step)."""
-    assert [token for token, _ in got] == [token for token, _ in want], what
-    difference = max(abs(a - b) / max(1.0, abs(b)) for (_, a), (_, b) in zip(got, want, strict=True))
-    record(f"{NAME} (vlenvoys serve)", f"{what}: log-probability", difference)
-    assert (got == want) if not torch.cuda.is_available() else difference <= TOLERANCE, (what, difference)
+    assert same_steps(got, want, f"{NAME} (vlenvoys serve)", what), (what, got, want)
 
 
 @on_neox

@@ -337,7 +337,7 @@ def start_checked(worker: Any, name: str, reads: list[Read]) -> dict[str, Any]:
     head_dims = {}
     for read in reads:
         envoy, value = _descriptor(model, read)
-        why = getattr(envoy, "unavailable", lambda name: None)(read[2])
+        why = (getattr(envoy, "unavailable_here", None) or getattr(envoy, "unavailable", lambda name: None))(read[2])
         if why is None:
             why = eligible(model, [read])
             if why is not None:

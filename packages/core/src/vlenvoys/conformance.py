@@ -162,9 +162,9 @@ class Subject:
     def mlp_kind(self) -> str:
         return self.model.architecture.mlp.KIND
 
-    def edited(self, prompt: list[int], edits=(), key_edits=None, router_edits=None) -> torch.Tensor:
+    def edited(self, prompt: list[int], edits=(), key_edits=None, router_edits=None, route_edits=None) -> torch.Tensor:
         """transformers' last-token logits with ``edits`` (see `vlenvoys.oracle.edited_logits`)."""
-        return edited_logits(self.reference, prompt, edits, self.layout, key_edits, router_edits)
+        return edited_logits(self.reference, prompt, edits, self.layout, key_edits, router_edits, route_edits)
 
     def multiplier(self, value: str) -> float:
         """What the block multiplies ``value``'s transformers module output by."""
@@ -377,9 +377,19 @@ def compare(subject, saved: dict, index: int) -> None:
                 masked = torch.isinf(want)
                 assert torch.equal(torch.isinf(got), masked), (name, layer)
                 assert close(subject, name, got[~masked], want[~masked]), (name, layer)
+            elif name == "mlp_router_experts":
+                same_experts(subject, got, want, (name, layer))
             else:
                 assert close(subject, name, got, want), (name, layer)
     assert close(subject, "logits", saved["logits"].reshape(-1), expected["logits"])
+
+
+def same_experts(subject, got: torch.Tensor, want: torch.Tensor, where: object) -> None:
+    """Each token's chosen experts are transformers' exactly, in its order (by weight, highest first), as int64."""
+    assert got.dtype == torch.int64, (where, got.dtype)
+    differ = (got.cpu() != want).any(-1)
+    record(subject.name, "mlp_router_experts: tokens routed otherwise", float(differ.sum()))
+    assert not differ.any(), (where, got, want)
 
 
 def test_each_prompt_alone(subject):
@@ -985,9 +995,10 @@ def test_project_on_vocab_of_the_last_layer_is_the_logits(subject):
 
 
 def test_router_values_by_mlp_kind(subject):
-    """Routed: the router's logits are [1, tokens, num_experts] on every block, prefill and decode step; the
-    experts chosen and their weights are refused by name where vLLM picks them inside its FusedMoE layer
-    (FUSED_ROUTING). Dense: all three refused (NOT_ROUTED)."""
+    """Routed: the router's logits ([1, tokens, num_experts]), each token's chosen experts and their weights
+    ([1, tokens, experts_per_token], by weight, highest first) on every block, the prefill's and a decode
+    step's, equal to transformers' on the prompt and on the prompt with its generated token; where vLLM's
+    kernel is monolithic the choice is refused by name (FUSED_ROUTING). Dense: all three refused (NOT_ROUTED)."""
     dtype_independent(subject)
     model, prompt = subject.model, subject.prompts[1]
     support = vlenvoys.support(model)
@@ -1003,20 +1014,44 @@ def test_router_values_by_mlp_kind(subject):
     assert support["mlp", "mlp_router_logits"].available
     assert support["mlp", "mlp_router_logits"].shape == "[1, T, E]"
     for name in choices:
-        if support["mlp", name].available:  # a family that declares ROUTES: read in the value comparison
+        assert support["mlp", name].shape == "[1, T, K]"
+        if support["mlp", name].available:  # vLLM's router chooses them: read below and in the value comparison
             continue
         assert support["mlp", name].code == "FUSED_ROUTING"
         with pytest.raises(vlenvoys.Unavailable, match="mlp_router_logits") as raised:
             logits_of(model, prompt, _reading(name))
         assert raised.value.reason == vlenvoys.FUSED_ROUTING
+    chosen = [name for name in choices if support["mlp", name].available]
     experts = subject.expected(1)["values"]["mlp_router_logits"][0].shape[-1]
-    with model.trace(prompt, temperature=0.0, max_tokens=2) as tracer:
-        shapes = list().save()
-        for _ in tracer.iter[0:2]:
-            for layer in model.layers:
-                shapes.append(tuple(layer.mlp.mlp_router_logits.shape))
+    per_token = subject.reference.config.num_experts_per_tok
     layers = model.num_layers
+    with model.trace(prompt, temperature=0.0, max_tokens=2) as tracer:
+        shapes, read = list().save(), dict().save()
+        for step in tracer.iter[0:2]:
+            for index, layer in enumerate(model.layers):
+                shapes.append(tuple(layer.mlp.mlp_router_logits.shape))
+                for name in chosen:
+                    read[name, index, step] = getattr(layer.mlp, name).save()
+            if step == 0:
+                read["token"] = model.logits.argmax(-1).reshape(-1).save()
     assert shapes == [(1, len(prompt), experts)] * layers + [(1, 1, experts)] * layers
+    read = host(read)
+    # The decode step's row is the generated token's: transformers' last row on the prompt and that token.
+    decoded = oracle.reference(subject.reference, [*prompt, int(read["token"][-1])], subject.layout)["values"]
+    for name in chosen:
+        for index in range(layers):
+            prefill, step = read[name, index, 0], read[name, index, 1]
+            assert prefill.shape == (1, len(prompt), per_token) and step.shape == (1, 1, per_token), (name, index)
+            want = subject.expected(1)["values"][name][index]
+            if name == "mlp_router_experts":
+                same_experts(subject, prefill, want, (name, index, "prefill"))
+                same_experts(subject, step, decoded[name][index][:, -1:], (name, index, "decode step"))
+                assert bool(((prefill >= 0) & (prefill < experts)).all())
+            else:
+                assert prefill.dtype == torch.float32, prefill.dtype
+                assert close(subject, name, prefill, want), (name, index)
+                assert close(subject, name, step, decoded[name][index][:, -1:]), (name, index, "decode step")
+                assert bool((prefill[..., :-1] >= prefill[..., 1:]).all()), "highest weight first"
 
 
 def _reading(name: str) -> Callable:
@@ -1068,3 +1103,109 @@ def test_router_logits_in_place_edit(subject):
 
     want = subject.edited(prompt, router_edits={0: boost})
     check_edit(subject, "router: logit += 4", logits_of(subject.model, prompt, edit), want, logits_of(subject.model, prompt))
+
+
+def _routes_served(subject) -> None:
+    _routed_only(subject)
+    if not vlenvoys.support(subject.model)["mlp", "mlp_router_experts"].available:
+        pytest.skip("vLLM's experts' kernel routes inside itself here (FUSED_ROUTING): no routing to edit")
+
+
+def test_router_weights_edit(subject):
+    """Swap the weights of each token's experts at block 1 (its favourite gets the least weight), by assignment:
+    both engines' experts' outputs are summed with the new weights alike."""
+    _routes_served(subject)
+    prompt = subject.prompts[2]
+
+    def swap(weights, experts):
+        return weights.flip(-1), experts
+
+    def edit(model):
+        model.layers[1].mlp.mlp_router_weights = model.layers[1].mlp.mlp_router_weights.flip(-1)
+
+    want = subject.edited(prompt, route_edits={1: swap})
+    check_edit(subject, "router: weights swapped", logits_of(subject.model, prompt, edit), want, logits_of(subject.model, prompt))
+
+
+def test_router_experts_edit(subject):
+    """Send each token's favourite expert's share at block 0 to the lowest-numbered expert it was not routed
+    to, in place: both engines route alike. An index outside the experts, or one repeated, is refused in the
+    block (InvalidWrite) and the engine goes on."""
+    _routes_served(subject)
+    prompt = subject.prompts[3]
+    count = subject.expected(1)["values"]["mlp_router_logits"][0].shape[-1]
+
+    def spare(experts):  # each token's lowest-numbered expert not among its choices
+        taken = torch.zeros(*experts.shape[:-1], count, dtype=torch.bool, device=experts.device)
+        return (~taken.scatter(-1, experts, True)).to(torch.int8).argmax(-1)
+
+    def reroute(weights, experts):
+        experts = experts.clone()
+        experts[..., 0] = spare(experts)
+        return weights, experts
+
+    def edit(model):
+        experts = model.layers[0].mlp.mlp_router_experts
+        taken = torch.zeros(*experts.shape[:-1], count, dtype=torch.bool, device=experts.device)
+        experts[..., 0] = (~taken.scatter(-1, experts, True)).to(torch.int8).argmax(-1)
+
+    baseline = logits_of(subject.model, prompt)
+    want = subject.edited(prompt, route_edits={0: reroute})
+    check_edit(subject, "router: favourite expert replaced", logits_of(subject.model, prompt, edit), want, baseline)
+
+    def outside(model):
+        model.layers[0].mlp.mlp_router_experts[..., 0] = count
+
+    def repeated(model):
+        experts = model.layers[0].mlp.mlp_router_experts
+        experts[..., 1] = experts[..., 0]
+
+    with pytest.raises(vlenvoys.InvalidWrite, match=rf"expert indices must lie in \[0, {count}\)"):
+        logits_of(subject.model, prompt, outside)
+    with pytest.raises(vlenvoys.InvalidWrite, match="must be distinct"):
+        logits_of(subject.model, prompt, repeated)
+    assert torch.equal(logits_of(subject.model, prompt), baseline)
+
+
+def test_collect_router_choice_equals_a_trace(subject):
+    """`vlenvoys.collect` reads each token's experts and weights, one hook per step, as a trace does."""
+    _routes_served(subject)
+    model, prompts = subject.model, subject.prompts[:2]
+    layers = [0, model.num_layers - 1]
+    for value in ("mlp_router_experts", "mlp_router_weights"):
+        collected = vlenvoys.collect(model, prompts, value, layers)
+        with model.trace(temperature=0.0, max_tokens=1) as tracer:
+            traced = dict().save()
+            for number, prompt in enumerate(prompts):
+                with tracer.invoke(prompt):
+                    for layer in layers:
+                        traced[number, layer] = getattr(model.layers[layer].mlp, value).save()
+        for layer in layers:
+            for number, got in enumerate(collected[f"{value}.{layer}"]):
+                want = traced[number, layer]
+                assert got.dtype == want.dtype and tuple(got.shape) == tuple(want.shape), (value, layer, number)
+                assert same_rows(got.to(want.device), want, subject), (value, layer, number)
+
+
+def greedy_steps(model, ids: list[int], steps: int, steering=None) -> list[tuple[int, float]]:
+    """``steps`` greedy tokens after ``ids`` from `vlenvoys.generate` (optionally steered): each step's (token id, log-probability)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True, logprobs=1)
+    (output,) = vlenvoys.generate(model, [ids], params, steering=steering, use_tqdm=False)
+    done = output.outputs[0]
+    return [(token, step[token].logprob) for token, step in zip(done.token_ids, done.logprobs, strict=True)]
+
+
+def same_steps(got: list[tuple[int, float]], want: list[tuple[int, float]], name: str, what: str) -> bool:
+    """Whether two runs' steps agree: the same tokens, and log-probabilities bit-identical on the CPU engine or,
+    on a GPU (whose kernels tile by the step's shape), within `TOLERANCE` relative, recorded as ``what`` under ``name``."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu() or got == want:
+        return got == want
+    if [token for token, _ in got] != [token for token, _ in want]:
+        return False
+    difference = max(abs(a - b) / max(1.0, abs(b)) for (_, a), (_, b) in zip(got, want, strict=True))
+    record(name, f"{what} (relative)", difference)
+    return difference <= TOLERANCE

@@ -55,8 +55,20 @@ class StandardizedVLLM(VLLM):
         super().__init__(*args, **kwargs)
 
     def _load_meta(self, repo_id: str, **kwargs: Any) -> Any:
+        from . import routing
+
         with _meta_build():
-            return super()._load_meta(repo_id, **kwargs)
+            model = super()._load_meta(repo_id, **kwargs)
+        routing.install(model)  # the routing's module boundary, as the worker's model gets it (`_wrap`)
+        return model
+
+    def _wrap(self, module: Any, *args: Any, **kwargs: Any) -> Any:
+        # The worker's loaded model: each FusedMoE layer's routing through a module of its own
+        # (`vlenvoys.routing`), at the same paths as on the client's weightless tree.
+        from . import routing
+
+        routing.install(module)
+        return super()._wrap(module, *args, **kwargs)
 
     def _load(self, repo_id: str, **kwargs: Any) -> Any:
         # nnsight's own worker refuses vLLM's CPU runner; pick ours by platform.

@@ -16,6 +16,8 @@ from nnsight.intervention.interleaver import Mediator
 
 from .attention import on_decode_step, scores
 from .errors import FUSED_ROUTING, GATED, NOT_ROUTED, PARALLEL, ROUTED, InvalidWrite, SkipRefused
+from .routing import Chosen, routes_of
+from .routing import Routes as RoutesModule
 from .values import Derived, Experts, Flat, Heads, Neurons, Pattern, Residual, Routes, Slot, summed, summed_output
 
 _PATTERN_READ_ONLY = (
@@ -92,6 +94,11 @@ class StandardEnvoy(Envoy):
     def unavailable(cls, value: str) -> str | None:
         """Why ``value`` cannot be served by this kind of module, or None when it can."""
         return cls.UNAVAILABLE.get(value)
+
+    def unavailable_here(self, value: str) -> str | None:
+        """Why this module, as loaded, cannot serve ``value`` (None when it can): the class's reason, or one
+        that depends on the loaded modules (a mixture of experts' monolithic kernel, see `Mlp`)."""
+        return type(self).unavailable(value)
 
 
 class Layer(StandardEnvoy):
@@ -376,37 +383,60 @@ class Mlp(Contributing):
 
     A mixture of experts serves its router's logits, ``mlp_router_logits``
     (``[1, tokens, num_experts]``, before any softmax or top-k), read at the
-    router module's output; a write replaces what the routing uses. vLLM picks
-    each token's experts and their weights inside its FusedMoE layer, at no
-    module boundary, so ``mlp_router_experts`` and ``mlp_router_weights`` are
-    refused (``FUSED_ROUTING``) unless a family declares ``ROUTES``. A dense
-    MLP refuses all three (``NOT_ROUTED``).
+    router module's output; a write replaces what the routing uses. It also
+    serves the routing itself: ``mlp_router_experts`` (each token's chosen
+    experts' indices, int64) and ``mlp_router_weights`` (their weights in the
+    MLP's output, float32), both ``[1, tokens, experts_per_token]``, each
+    token's sorted by weight, highest first, as transformers' top-k returns
+    them. vLLM's FusedMoE layer picks them in its router, a plain Python
+    object; core passes the router's result through an identity child of the
+    layer (`vlenvoys.routing.Routes`, ``experts.routes``) where they are read,
+    on the prefill and every decode step, and a write changes which experts
+    the token goes to, or with what weight. Where vLLM's experts' kernel is
+    monolithic (it routes inside itself from the logits: some quantized or
+    vendor kernels on a GPU) they exist nowhere and are refused
+    (``FUSED_ROUTING``), decided per loaded model. A dense MLP refuses all
+    three (``NOT_ROUTED``).
 
     Declarations: ``KIND`` (``"plain"``, ``"gated"`` or ``"routed"``),
     ``DOWN``, the down projection's child name, ``ROUTER``, the router's
     child name (a linear layer returning ``(logits, bias)``), ``ROUTES``, the
-    location of a module returning ``(weights, expert ids)`` (None where there
-    is none), and ``CONTRIBUTION`` / ``MULTIPLIER`` (see `Contributing`).
+    location of a module returning ``(weights, expert ids)``: by default the
+    ``routes`` child core gives the FusedMoE layer named ``experts`` (a
+    family whose layer is named otherwise declares ``"<name>.routes.output"``;
+    None refuses both values, ``FUSED_ROUTING``), and ``CONTRIBUTION`` /
+    ``MULTIPLIER`` (see `Contributing`).
     """
 
     KIND: ClassVar[str] = "gated"
     DOWN: ClassVar[str] = "down_proj"
     ROUTER: ClassVar[str] = "gate"
-    ROUTES: ClassVar[str | None] = None
+    ROUTES: ClassVar[str | None] = "experts.routes.output"
 
     @Flat("{ROUTER}.output")
     def mlp_router_logits(self, value) -> Experts:
         """The router's logits, [1, tokens, num_experts]: before softmax and top-k; a write changes the routing."""
         return value
 
-    @Flat("{ROUTES}", select=1)
+    @Chosen("{ROUTES}", select=1)
     def mlp_router_experts(self, value) -> Routes:
-        """The experts each token is sent to, [1, tokens, experts_per_token]: their indices."""
+        """The experts each token is sent to, [1, tokens, experts_per_token]: their indices (int64), by weight, highest first.
+
+        Read at the FusedMoE layer's ``routes`` child (vLLM's router's choice); a
+        write changes which experts each token goes to (distinct indices in
+        [0, num_experts), int64, or InvalidWrite). Unavailable: FUSED_ROUTING on a
+        monolithic kernel, NOT_ROUTED on a dense MLP.
+        """
         return value
 
-    @Flat("{ROUTES}", select=0)
+    @Chosen("{ROUTES}", select=0)
     def mlp_router_weights(self, value) -> Routes:
-        """The weights of each token's experts in its output, [1, tokens, experts_per_token]."""
+        """The weights of each token's experts in its output, [1, tokens, experts_per_token]: float32, highest first.
+
+        Beside ``mlp_router_experts`` entry for entry (softmax of the logits, top-k,
+        renormalized where the model does); a write changes the weights the experts'
+        outputs are summed with. Unavailable as ``mlp_router_experts``.
+        """
         return value
 
     @Flat("{DOWN}.input", select=(0, "input_"))
@@ -431,6 +461,21 @@ class Mlp(Contributing):
         if cls.KIND == "gated" and value == "mlp_activation":
             return GATED
         return super().unavailable(value)
+
+    def unavailable_here(self, value: str) -> str | None:
+        """`unavailable`, and ``FUSED_ROUTING`` for the routing where this loaded layer's kernel is monolithic."""
+        reason = type(self).unavailable(value)
+        if reason is None and value in ("mlp_router_experts", "mlp_router_weights"):
+            routes = routes_of(self, self.ROUTES)
+            if routes is None:
+                return (
+                    f"{type(self).__name__} reads the routing at ROUTES = {self.ROUTES!r}, and this MLP has no such "
+                    "module (vLLM's FusedMoE layer is named otherwise, or its router is not one vlenvoys.routing "
+                    "routes through); read mlp_router_logits, the router's output the routing is computed from"
+                )
+            if isinstance(routes, RoutesModule) and not routes.computed:
+                return FUSED_ROUTING
+        return reason
 
     @Flat("{CONTRIBUTION}", factor="contribution_factor")
     def mlp_output(self, value) -> Residual:

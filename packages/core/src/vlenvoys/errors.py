@@ -27,13 +27,14 @@ NOT_ROUTED = (
     "this MLP is dense: every token goes through the same neurons, so there is no router, "
     "no experts and no routing weights; router values exist on a mixture of experts only"
 )
-#: vLLM chooses a token's experts and their weights inside its FusedMoE layer (a plain-torch
-#: router object on the CPU, a fused top-k/softmax kernel on a GPU), at no module boundary.
+#: A monolithic experts' kernel (some quantized or vendor kernels on a GPU) takes the router's logits and
+#: chooses each token's experts and their weights inside itself: they are never tensors outside it.
 FUSED_ROUTING = (
-    "vLLM chooses each token's experts and their weights inside its FusedMoE layer, at no "
-    "module boundary (a fused top-k kernel on a GPU), so neither is ever a value to read or "
-    "edit; read mlp_router_logits, the router's output they are computed from (a softmax "
-    "and top-k of it), and edit it to change the routing"
+    "vLLM's experts' kernel for this mixture of experts is monolithic: it takes the router's logits and "
+    "chooses each token's experts and their weights inside itself, so neither is ever a tensor to read or "
+    "edit (where vLLM's router chooses them, as on the CPU engine and with the unquantized Triton experts "
+    "on a GPU, both are served); read mlp_router_logits, the router's output they are computed from (a "
+    "softmax and top-k of it), and edit it to change the routing"
 )
 #: A parallel block (GPT-J, Pythia) adds the attention and the MLP to the same input: no stream lies between them.
 PARALLEL = (
@@ -112,7 +113,7 @@ FORWARD_ORDER = (
     "Read and write values in the order the model computes them: token_embeddings, then block 0, 1, ...; "
     "within a block layer_input, attention_norm_output, the attention's queries, keys, values, scores, "
     "probabilities, head outputs, premix and attention_output, then layer_mid, mlp_norm_output, mlp_router_logits, "
-    "mlp_neurons, mlp_output, layer_output; logits last. Patch between prompts with two traces (read, then write)."
+    "mlp_router_experts and mlp_router_weights, mlp_neurons, mlp_output, layer_output; logits last. Patch between prompts with two traces (read, then write)."
 )
 
 

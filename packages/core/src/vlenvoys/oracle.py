@@ -33,6 +33,8 @@ VALUES = (
     ("layer", "layer_mid"),
     ("layer", "mlp_norm_output"),
     ("mlp", "mlp_router_logits"),
+    ("mlp", "mlp_router_experts"),
+    ("mlp", "mlp_router_weights"),
     ("mlp", "mlp_activation"),
     ("mlp", "mlp_neurons"),
     ("mlp", "mlp_output"),
@@ -51,8 +53,9 @@ ATTENTION_VALUES = (
 #: The name the recording attention function is registered under in transformers.
 ORACLE_ATTENTION = "vlenvoys_oracle"
 
-#: (module path under the block, "input" or "output") for one value.
-Place = tuple[str, str]
+#: (module path under the block, "input" or "output") for one value, optionally followed by which
+#: element of a tuple output it is (the first by default).
+Place = tuple[str, str] | tuple[str, str, int]
 
 
 @dataclass(frozen=True)
@@ -62,7 +65,8 @@ class HFLayout:
     Attributes:
         layers: The path of the block list on the transformers model.
         places: Value name -> (child path under the block, ``"input"`` or
-            ``"output"``); an empty child path is the block itself.
+            ``"output"``, and optionally the index of the value in a tuple
+            output, the first by default); an empty child path is the block itself.
         multipliers: Value name -> the config attribute the block multiplies
             that module's output by before adding it (Granite's
             ``residual_multiplier``): the value is the output times it.
@@ -88,9 +92,11 @@ class HFLayout:
             "layer_output": ("", "output"),
             "attention_premix": ("self_attn.o_proj", "input"),
             "mlp_neurons": ("mlp.down_proj", "input"),
-            # A mixture of experts' router (transformers' TopKRouter returns (logits, weights, experts));
-            # a dense MLP has no `gate` child and leaves it unread.
+            # A mixture of experts' router (transformers' TopKRouter returns (logits, weights, experts),
+            # each token's experts by weight, highest first); a dense MLP has no `gate` child and leaves them unread.
             "mlp_router_logits": ("mlp.gate", "output"),
+            "mlp_router_experts": ("mlp.gate", "output", 2),
+            "mlp_router_weights": ("mlp.gate", "output", 1),
         }
     )
     multipliers: dict[str, str] = field(default_factory=dict)
@@ -304,18 +310,18 @@ def reference(model: torch.nn.Module, input_ids: Sequence[int], layout: HFLayout
     handles = []
     recorder = _Recorder()
     for index, block in enumerate(layout.blocks(model)):
-        for name, (child, side) in layout.places.items():
+        for name, (child, side, *element) in layout.places.items():
             try:
                 module = _module(block, child)
             except AttributeError:  # a mixture of experts has no single down projection
                 continue
 
-            def keep(store: list = values[name], at: int = index) -> Callable:
+            def keep(store: list = values[name], at: int = index, element: list = element) -> Callable:
                 def hook(module, args, kwargs, output=None):
                     if output is None:
                         tensor = args[0] if args else kwargs["hidden_states"]
                     else:
-                        tensor = _first(output)
+                        tensor = output[element[0]] if element else _first(output)
                     store[at] = tensor.detach().clone()
 
                 return hook
@@ -337,11 +343,11 @@ def reference(model: torch.nn.Module, input_ids: Sequence[int], layout: HFLayout
             values[name] = [by_layer[layer] for layer in sorted(by_layer)]
     for name in layout.multipliers:
         values[name] = [value * layout.multiplier(model, name) for value in values[name]]
-    if "mlp_router_logits" in values:
-        # transformers' router flattens the tokens: [tokens, experts] -> [1, tokens, experts].
-        values["mlp_router_logits"] = [
-            None if logits is None else logits.reshape(1, -1, logits.shape[-1]) for logits in values["mlp_router_logits"]
-        ]
+    for name in ("mlp_router_logits", "mlp_router_experts", "mlp_router_weights"):
+        # transformers' router flattens the tokens: [tokens, experts] -> [1, tokens, experts]
+        # (and [tokens, experts_per_token] -> [1, tokens, experts_per_token]).
+        if name in values:
+            values[name] = [None if each is None else each.reshape(1, -1, each.shape[-1]) for each in values[name]]
     if "attention_premix" in values and "attention_head_outputs" in values:
         # The output projection's input, split into heads as the head outputs are.
         values["attention_premix"] = [
@@ -413,6 +419,23 @@ def _rerouted(router: torch.nn.Module, edit: Callable[[torch.Tensor], torch.Tens
         del router.forward
 
 
+@contextlib.contextmanager
+def _chosen(router: torch.nn.Module, edit: Callable) -> Iterator[None]:
+    """Replace ``router``'s choice (its output's weights and experts) by ``edit(weights, experts)``, ``[1, tokens, k]`` each."""
+
+    def rewrite(module, args, output):
+        logits, weights, experts = output
+        shape = weights.shape
+        new_weights, new_experts = edit(weights.reshape(1, *shape), experts.reshape(1, *shape))
+        return logits, new_weights.reshape(shape).to(weights.dtype), new_experts.reshape(shape).to(experts.dtype)
+
+    handle = router.register_forward_hook(rewrite)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 @torch.no_grad()
 def edited_logits(
     model: torch.nn.Module,
@@ -421,6 +444,7 @@ def edited_logits(
     layout: HFLayout = LLAMA_LAYOUT,
     key_edits: dict[int, Callable[[torch.Tensor], torch.Tensor]] | None = None,
     router_edits: dict[int, Callable[[torch.Tensor], torch.Tensor]] | None = None,
+    route_edits: dict[int, Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] | None = None,
 ) -> torch.Tensor:
     """The last token's logits ``[vocab]`` with edits applied on transformers.
 
@@ -431,12 +455,17 @@ def edited_logits(
     rotated), on a model from `load_reference`. ``router_edits`` maps a
     block index to a function of its router's logits (``[1, tokens,
     experts]``), applied before the router's softmax and top-k, so that it
-    changes the routing.
+    changes the routing. ``route_edits`` maps a block index to a function of
+    its router's choice, ``(weights, experts)`` each ``[1, tokens,
+    experts_per_token]`` as transformers' router returns them (by weight,
+    highest first), returning the pair the experts then use.
     """
     recorder = _Recorder(key_edits)
     with contextlib.ExitStack() as stack:
         for index, fn in (router_edits or {}).items():
             stack.enter_context(_rerouted(_module(layout.blocks(model)[index], layout.places["mlp_router_logits"][0]), fn))
+        for index, fn in (route_edits or {}).items():
+            stack.enter_context(_chosen(_module(layout.blocks(model)[index], layout.places["mlp_router_logits"][0]), fn))
         for index, child, side, fn in edits:
             stack.enter_context(_hooked(_module(layout.blocks(model)[index], child), side, fn))
         stack.enter_context(_recording_method(model, layout))

@@ -93,10 +93,12 @@ def values_of(cls: type) -> list[tuple[str, Located]]:
     return list(seen.items())
 
 
-def _rows(kind: str, cls: type[StandardEnvoy]) -> list[Row]:
+def _rows(kind: str, cls: type[StandardEnvoy], envoy: Any = None) -> list[Row]:
+    """``cls``'s rows; with ``envoy`` (a loaded model's), its loaded modules' reasons too (`StandardEnvoy.unavailable_here`)."""
     rows = []
+    here = getattr(envoy, "unavailable_here", None) if isinstance(envoy, StandardEnvoy) else None
     for name, value in values_of(cls):
-        reason = cls.unavailable(name)
+        reason = here(name) if here is not None else cls.unavailable(name)
         note = reason or ("prefill only; read-only" if isinstance(value, Derived) else "")
         rows.append(Row(kind, name, value.layout, reason is None, note))
     return rows
@@ -107,7 +109,9 @@ def support(model: Any) -> Support:
 
     ``model`` is a model from `vlenvoys.load`, or a local checkpoint folder
     (no engine is started: availability follows from the family's
-    declarations). Outside a trace, a value that only a decode step cannot
+    declarations; a loaded model's own modules are asked too, so a mixture of
+    experts whose kernel routes inside itself lists its routing as refused,
+    ``FUSED_ROUTING``). Outside a trace, a value that only a decode step cannot
     serve is listed as available, on the prefill.
 
     Raises:
@@ -127,7 +131,13 @@ def support(model: Any) -> Support:
             a for a, choices in declared.items() if any(each is architecture for each in choices.values())
         )
     rows = [Row("model", "token_embeddings", "Residual", True, "block 0's stream input")]
-    rows += _rows("layer", architecture.layer)
-    rows += _rows("attention", architecture.attention)
-    rows += _rows("mlp", architecture.mlp)
+    block = attention = mlp = None
+    if not isinstance(model, (str, os.PathLike)):
+        # A loaded model's own modules can refuse more than its declarations (a mixture of experts'
+        # monolithic kernel: no routing to read); block 0's stand for every block.
+        block = model.layers[0]
+        attention, mlp = getattr(block, "self_attn", None), getattr(block, "mlp", None)
+    rows += _rows("layer", architecture.layer, block)
+    rows += _rows("attention", architecture.attention, attention)
+    rows += _rows("mlp", architecture.mlp, mlp)
     return Support(name, installed.name, tuple(rows))

@@ -207,7 +207,8 @@ class Located(eproperty):
     module's input or output); a key starting with ``source.`` is an
     operation inside the module's forward (nnsight's ``.source``), where a
     value has no module boundary of its own. The envoy's
-    ``unavailable(name)`` (static reasons) and ``dynamic`` (a callable of the
+    ``unavailable_here(name)`` (its class's static reasons, and those of its
+    loaded modules), or ``unavailable(name)``, and ``dynamic`` (a callable of the
     envoy and the location, for reasons that depend on the step a read would
     be served) are asked before anything is read.
     """
@@ -254,7 +255,8 @@ class Located(eproperty):
         return super().__get__(obj, owner)
 
     def _check_available(self, obj: Any) -> None:
-        reason = getattr(obj, "unavailable", _nothing)(self.name)
+        reason = getattr(obj, "unavailable_here", None) or getattr(obj, "unavailable", _nothing)
+        reason = reason(self.name)
         if reason is None and self.dynamic is not None:
             reason = self.dynamic(obj, self._location(obj))
         if reason is not None:

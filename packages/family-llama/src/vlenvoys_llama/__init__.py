@@ -32,7 +32,9 @@ class RoutedMlp(Mlp):
     """A mixture of experts (Qwen2-MoE's sparse block, Mixtral's): no neurons shared by a token's experts.
 
     Its router is the ``gate`` child on all three (Qwen3-MoE's FusedMoE layer calls it
-    itself), so ``mlp_router_logits`` is served from core's default ``ROUTER``.
+    itself), so ``mlp_router_logits`` is served from core's default ``ROUTER``; its
+    FusedMoE layer is the ``experts`` child on all three, so each token's chosen experts
+    and their weights are served from core's default ``ROUTES``.
     """
 
     KIND = "routed"
