@@ -709,24 +709,32 @@ def test_collect_equals_a_trace(subject):
     trace per value with an invoke per prompt; bit-identical on the CPU
     engine, within the oracle's bound where the GPU tiles by the step's shape.
     """
-    model, prompts = subject.model, subject.prompts[:3]
-    layers = [0, model.num_layers - 1]
+    layers = [0, subject.model.num_layers - 1]
     for owner, value in (("self_attn", "attention_output"), ("mlp", "mlp_output"), (None, "layer_output")):
-        collected = vlenvoys.collect(model, prompts, value, layers)
-        with model.trace(temperature=0.0, max_tokens=1) as tracer:
-            traced = dict().save()
-            for number, prompt in enumerate(prompts):
-                with tracer.invoke(prompt):
-                    for layer in layers:
-                        block = model.layers[layer]
-                        traced[number, layer] = getattr(block if owner is None else getattr(block, owner), value).save()
-        for layer in layers:
-            rows = collected[f"{value}.{layer}"]
-            assert len(rows) == len(prompts), value
-            for number, got in enumerate(rows):
-                want = traced[number, layer]
-                assert tuple(got.shape) == tuple(want.shape), (value, layer, number)
-                assert same_rows(got.to(want.device), want, subject), (value, layer, number)
+        assert_collect_equals_a_trace(subject, subject.prompts[:3], owner, value, layers)
+
+
+def assert_collect_equals_a_trace(subject, prompts, owner: str | None, value: str, layers: list[int], same_dtype: bool = False) -> None:
+    """`vlenvoys.collect` of ``value`` (of each block's ``owner`` child, or the block) at ``layers`` against one trace
+    with an invoke per prompt: every prompt's rows of the same shape (and dtype, with ``same_dtype``) and within
+    `same_rows`."""
+    model = subject.model
+    collected = vlenvoys.collect(model, prompts, value, layers)
+    with model.trace(temperature=0.0, max_tokens=1) as tracer:
+        traced = dict().save()
+        for number, prompt in enumerate(prompts):
+            with tracer.invoke(prompt):
+                for layer in layers:
+                    block = model.layers[layer]
+                    traced[number, layer] = getattr(block if owner is None else getattr(block, owner), value).save()
+    for layer in layers:
+        rows = collected[f"{value}.{layer}"]
+        assert len(rows) == len(prompts), value
+        for number, got in enumerate(rows):
+            want = traced[number, layer]
+            assert tuple(got.shape) == tuple(want.shape), (value, layer, number)
+            assert not same_dtype or got.dtype == want.dtype, (value, layer, number, got.dtype, want.dtype)
+            assert same_rows(got.to(want.device), want, subject), (value, layer, number)
 
 
 def test_graph_engine_steers_as_a_trace(subject):
@@ -1170,21 +1178,9 @@ def test_router_experts_edit(subject):
 def test_collect_router_choice_equals_a_trace(subject):
     """`vlenvoys.collect` reads each token's experts and weights, one hook per step, as a trace does."""
     _routes_served(subject)
-    model, prompts = subject.model, subject.prompts[:2]
-    layers = [0, model.num_layers - 1]
+    layers = [0, subject.model.num_layers - 1]
     for value in ("mlp_router_experts", "mlp_router_weights"):
-        collected = vlenvoys.collect(model, prompts, value, layers)
-        with model.trace(temperature=0.0, max_tokens=1) as tracer:
-            traced = dict().save()
-            for number, prompt in enumerate(prompts):
-                with tracer.invoke(prompt):
-                    for layer in layers:
-                        traced[number, layer] = getattr(model.layers[layer].mlp, value).save()
-        for layer in layers:
-            for number, got in enumerate(collected[f"{value}.{layer}"]):
-                want = traced[number, layer]
-                assert got.dtype == want.dtype and tuple(got.shape) == tuple(want.shape), (value, layer, number)
-                assert same_rows(got.to(want.device), want, subject), (value, layer, number)
+        assert_collect_equals_a_trace(subject, subject.prompts[:2], "mlp", value, layers, same_dtype=True)
 
 
 def greedy_steps(model, ids: list[int], steps: int, steering=None) -> list[tuple[int, float]]:
