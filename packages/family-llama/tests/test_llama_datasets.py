@@ -229,6 +229,8 @@ def test_bad_inputs_are_refused_and_the_engine_goes_on(subject, full_run, tmp_pa
         collect_dataset(model, source, tmp_path / "d", "layer_output", [0], context_length=CONTEXT, dtype="int8", progress=False)
     with pytest.raises(ValueError, match="positions must be one of"):
         collect_dataset(model, source, tmp_path / "e", "layer_output", [0], context_length=CONTEXT, positions="first", progress=False)
+    with pytest.raises(ValueError, match="context_length must be at least 2, got 0"):
+        collect_dataset(model, source, tmp_path / "z", "layer_output", [0], context_length=0, progress=False)
     with pytest.raises(ValueError, match="'no_such_value' is not a block value; choose from layer_input"):
         collect_dataset(model, source, tmp_path / "f", "no_such_value", [0], context_length=CONTEXT, progress=False)
     with pytest.raises(FileNotFoundError):
@@ -299,3 +301,19 @@ def test_collect_command_writes_shards(tmp_path):
     assert other.exit_code == 1 and "positions: 'no_bos' -> 'last'" in " ".join(other.output.split())
     whole = CliRunner().invoke(app, ["collect", source, str(model), "--context-length", "256", "--out", str(tmp_path / "whole")])
     assert whole.exit_code == 1 and "at most 255 (256 positions)" in " ".join(whole.output.split())  # before any engine
+
+
+@pytest.mark.parametrize("subject", ["MixtralForCausalLM"], indirect=True)
+def test_chosen_experts_stay_integers_and_equal_collects(subject, tmp_path):
+    """A mixture of experts' chosen experts (int64 indices) are stored as int64 whatever the dtype asked for
+    (bfloat16 holds integers exactly only up to 256), the weights in that dtype; each window's rows, read back
+    with their ``window`` and ``position``, are `collect`'s of the window's tokens."""
+    values = ["mlp_router_experts", "mlp_router_weights"]
+    written = collect_dataset(subject.model, corpus_file(tmp_path), tmp_path / "acts", values, [0], context_length=CONTEXT, progress=False)
+    (got,) = written.batches(10**6, keys=[f"{value}.0" for value in values] + ["window", "position"])
+    assert got["mlp_router_experts.0"].dtype == torch.int64 and got["mlp_router_weights.0"].dtype == torch.bfloat16
+    first = got["window"] == 0
+    assert torch.equal(got["position"][first], torch.arange(CONTEXT, dtype=torch.int32))
+    want = collect(subject.model, [got["token_ids"][first].tolist()], values, [0])
+    assert torch.equal(got["mlp_router_experts.0"][first], want["mlp_router_experts.0"][0][0].cpu())
+    assert torch.equal(got["mlp_router_weights.0"][first], want["mlp_router_weights.0"][0][0].cpu().bfloat16())

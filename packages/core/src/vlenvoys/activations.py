@@ -61,6 +61,8 @@ __all__ = ["POSITIONS", "Activations", "Plan", "collect_dataset", "documents", "
 POSITIONS = ("all", "no_bos", "last")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 MANIFEST = "manifest.json"
+#: What every shard holds of each row beside the values: its token, its window and its position in that window.
+ROW_KEYS = ("token_ids", "window", "position")
 FORMAT = "vlenvoys-activations/1"
 #: Documents tokenized per call of the tokenizer (a fast tokenizer batches them across threads).
 TOKENIZED_AT_ONCE = 256
@@ -500,7 +502,7 @@ class _Assembler:
 
         A value is a ``[1, tokens, ...]`` tensor, or `Rows` not yet read (`stream`'s ``unread``): those in
         the stored dtype are read from the engine's files straight into the shard (`read_rows`), the others
-        read, then converted with the tensors' copy.
+        read, then converted with the tensors' copy. A value of an integer dtype is stored in its own.
         """
         unread, targets, sources = [], [], []
         for offset, values in windows:
@@ -509,12 +511,17 @@ class _Assembler:
             shard = window - (window - self.first) % self.plan.shard_windows
             if shard not in self.buffers:
                 most = self.plan.shard_windows * self.plan.context_length  # the rows a shard keeps at most
-                shapes = {key: ((most, *_row_shape(value)), self.dtype) for key, value in values.items()}
+                # Values of an integer dtype (a mixture of experts' chosen experts) stay in it: bfloat16 holds
+                # integers exactly only up to 256.
+                shapes = {
+                    key: ((most, *_row_shape(value)), self.dtype if value.dtype.is_floating_point else value.dtype)
+                    for key, value in values.items()
+                }
                 buffers = self.buffers[shard] = self.writer.buffers(shapes)
                 self.bytes[shard] = {key: memoryview(buffer.view(-1).view(torch.uint8).numpy()) for key, buffer in buffers.items()}
             buffers = self.buffers[shard]
             for key, value in values.items():
-                if isinstance(value, Rows) and value.dtype == self.dtype:
+                if isinstance(value, Rows) and value.dtype == buffers[key].dtype:
                     unread.append((value, runs, self.bytes[shard][key], row))
                     continue
                 if isinstance(value, Rows):
@@ -747,7 +754,8 @@ def make_plan(
     """The plan of a run, its settings checked (``layers`` non-negative); the CLI makes it before any engine starts.
 
     Raises:
-        ValueError: an unknown ``dtype`` or ``positions``, ``shard_tokens`` below 1.
+        ValueError: an unknown ``dtype`` or ``positions``, ``shard_tokens`` below 1,
+            ``context_length`` below 2 with ``bos`` (or below 1).
         TypeError: ``context_length`` or ``shard_tokens`` not an int.
     """
     name = dtype if isinstance(dtype, str) else next((key for key, each in DTYPES.items() if each == dtype), None)
@@ -760,6 +768,8 @@ def make_plan(
             raise TypeError(f"{label} must be an int, got {number!r}")
     if shard_tokens < 1:
         raise ValueError(f"shard_tokens must be at least 1, got {shard_tokens}")
+    if context_length < (2 if bos else 1):  # as `windows` says it, before anything divides by it
+        raise ValueError(f"context_length must be at least {2 if bos else 1}, got {context_length}")
     return Plan(
         model=str(Path(model).absolute()) if Path(model).exists() else model,  # a local checkpoint, wherever the run starts
         values=sorted(set(values)),
@@ -855,6 +865,8 @@ class Activations:
     ) -> Iterator[dict[str, torch.Tensor]]:
         """Rows in batches: ``{key: [batch_size, ...]}`` for ``keys`` (default: every value) and ``token_ids``.
 
+        ``keys`` may also name each row's ``window`` (int64) and ``position`` (int32, in its window).
+
         In order, shard after shard, without ``shuffle``; with it, the shards
         in a random order and the rows of ``buffer_shards`` shards at a time
         in a random order (memory: that many shards), seeded by ``seed``.
@@ -863,10 +875,10 @@ class Activations:
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
         keys = list(keys) if keys is not None else self.keys
-        unknown = [key for key in keys if key not in self.keys]
+        unknown = [key for key in keys if key not in self.keys and key not in ROW_KEYS]
         if unknown:
-            raise KeyError(f"{unknown} not in this dataset; it holds {self.keys}")
-        wanted = keys + ["token_ids"]
+            raise KeyError(f"{unknown} not in this dataset; it holds {self.keys} and each row's {', '.join(ROW_KEYS)}")
+        wanted = list(dict.fromkeys([*keys, "token_ids"]))
         generator = torch.Generator().manual_seed(seed)
         order = list(range(len(self.shards)))
         if shuffle:
