@@ -92,6 +92,40 @@ def test_the_routing_is_served_by_weight_highest_first_and_written_back_as_the_m
         chosen_experts.place(envoy, raw, torch.tensor([[2, 4], [1, 2]]), None)
 
 
+def test_router_logits_take_minus_inf_while_each_token_keeps_its_top_k():
+    """-inf bans an expert (softmax weight 0); NaN, +inf and a token left with fewer than top-k finite logits
+    are refused, each saying which; every other value still refuses any non-finite entry."""
+    from vlenvoys.routing import Routes
+    from vlenvoys.values import unbatched
+
+    block = torch.nn.Module()
+    block.experts = _Runner(False)
+    block.experts.add_module("routes", Routes(block.experts, 4, 2))
+    envoy = Routed(block)
+    assert envoy.experts_per_token == 2
+    value = Mlp.mlp_router_logits
+    rows = torch.randn(3, 4)  # [tokens, experts], as the router returns them
+    banned = rows[None].clone()
+    banned[0, :, 1] = -torch.inf
+    banned[0, 0, 3] = -torch.inf  # token 0 keeps exactly its 2
+    assert torch.equal(value._unbatched(envoy, banned, rows), banned[0])
+    for entry, match in ((torch.nan, "NaN entries"), (torch.inf, r"\+inf entries")):
+        bad = banned.clone()
+        bad[0, 2, 0] = entry
+        with pytest.raises(vlenvoys.InvalidWrite, match=f"mlp_router_logits: the written value has {match}"):
+            value._unbatched(envoy, bad, rows)
+    short = banned.clone()
+    short[0, 1, 0] = short[0, 1, 2] = -torch.inf
+    with pytest.raises(vlenvoys.InvalidWrite, match="mlp_router_logits: token 1 keeps 1 of its 4 entries finite"):
+        value._unbatched(envoy, short, rows)
+    # Where the loaded MLP does not say its top-k, and for every other value, any non-finite entry is refused.
+    assert Routed(torch.nn.Module()).experts_per_token is None
+    with pytest.raises(vlenvoys.InvalidWrite, match="NaN or infinite entries; they would reach the engine's key/value"):
+        value._unbatched(Routed(torch.nn.Module()), banned, rows)
+    with pytest.raises(vlenvoys.InvalidWrite, match="NaN or infinite entries; they would reach the engine's key/value"):
+        unbatched(banned, rows, "mlp_output")
+
+
 def test_support_lists_the_router_values_with_their_layouts_and_codes():
     rows = {row.value: row for row in _rows("mlp", Routed)}
     assert rows["mlp_router_logits"].available and rows["mlp_router_logits"].shape == "[1, T, E]"

@@ -88,6 +88,8 @@ def test_shards_equal_transformers_and_collect(subject, full_run):
     assert written.complete and len(written) == len(cut) * CONTEXT
     assert written.keys == [f"{value}.{layer}" for layer in (0, last) for value in VALUES]
     assert len(written.shards) == -(-len(cut) // 3) and not list(folder.glob("*.tmp"))
+    manifest_mode = (folder / "manifest.json").stat().st_mode
+    assert all(shard.stat().st_mode == manifest_mode for shard in written.shards), "shards are as readable as the manifest"
     got = rows(folder)
     assert got["token_ids"].tolist() == [token for window in cut for token in window]
     assert got["window"].tolist() == [index for index in range(len(cut)) for _ in range(CONTEXT)]

@@ -22,10 +22,13 @@ nobody else's request carries this block, its cost or its saves.
 from __future__ import annotations
 
 import contextlib
+import queue
 import threading
 import uuid
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import torch
@@ -143,6 +146,7 @@ def stream(
     progress: Callable[[int], Any] | None = None,
     kept: bool = False,
     unread: bool = False,
+    together: bool = False,
 ) -> None:
     """`collect` without keeping anything: ``deliver(index, values)`` as each prompt's values arrive.
 
@@ -158,9 +162,20 @@ def stream(
     ``unread``: on the fast path each value comes as `vlenvoys.handover.Rows`
     (``[tokens, ...]`` rows not yet read, which ``deliver`` reads into its own
     memory with `vlenvoys.handover.read_rows`), tensors elsewhere.
+    ``together``: ``deliver`` is called once per batch of values taken
+    together, with a list of ``(index, values)``.
+    On the fast path ``deliver`` runs on a thread of its own (`_Takes`), one
+    batch at a time, in the order the batches were taken.
     Raises what `collect` raises; an error of ``deliver`` aborts the requests in flight.
     """
     from .handover import one_thread_beside_a_cpu_engine
+
+    if not together:
+        each = deliver
+
+        def deliver(batch: list[tuple[int, dict]]) -> None:
+            for index, values in batch:
+                each(index, values)
 
     with one_thread_beside_a_cpu_engine():
         if collector.eligible(model, reads) is None and _ranks(model) == 1:
@@ -183,7 +198,7 @@ def _registered(model: Any, prompts: Iterable, reads: list[Read], batch_size: in
     """The general path: a block installed with nnsight's registration, one nnsight worker per request."""
     with registered(model, reads) as name:
         params = _params({"nnsight_edits": [name]})
-        _run(model, prompts, params, batch_size, progress, lambda finished: [_values_of(*each) for each in finished], deliver)
+        _run(model, prompts, params, batch_size, progress, lambda finished: deliver([(index, _values_of(output, index)) for output, index in finished]))
 
 
 def _batched(
@@ -201,26 +216,118 @@ def _batched(
     # (measured on an H200: 12.4 GiB at 1e6 tokens of a 1B model's stream, 3.0 at 1e4).
     run_maps: dict | None = {} if kept else None
 
-    def fetch(finished: list) -> list[dict]:
-        (packed, *_) = engine.collective_rpc("vlenvoys_collect_take", args=(name, [output.request_id for output, _ in finished]))
+    def values(packed: dict, finished: list) -> list[tuple[int, dict]]:
         if unread:
             taken = collector.unread(model, reads, packed)
         else:
             taken = collector.split(model, reads, collector.received(packed, run_maps))
-        values = []
+        batch = []
         for output, index in finished:
             got = taken[output.request_id]
             if isinstance(got, str):
                 raise RuntimeError(f"prompt {index}: {got}")
-            values.append(got)
-        return values
+            batch.append((index, got))
+        return batch
 
+    takes = _Takes(model, name, values, deliver)
     try:
-        # Taken in batches: a take waits for the engine's next step, and the client refills the engine
-        # only between takes (measured on an H200: a take per step held collect to 0.6 of plain prefill).
-        _run(model, prompts, _params({collector.KEY: name}), batch_size, progress, fetch, deliver, fetch_every=batch_size)
+        # Taken in batches: the engine answers a take between two steps, and each answer is packed for
+        # every request it names (measured on an H200: a take per step held collect to 0.6 of plain prefill).
+        _run(model, prompts, _params({collector.KEY: name}), batch_size, progress, takes.send, take_every=batch_size)
+        takes.close()
+    except BaseException:
+        takes.stop()  # what the engine already handed over still reaches ``deliver``
+        raise
     finally:
         _clean_up(model, lambda: engine.collective_rpc("vlenvoys_collect_stop", args=(name,)), quietly=True)
+
+
+class _Takes:
+    """Takes of finished requests' values: sent by the thread that drives the engine, answered on a thread of their own.
+
+    The engine answers a take between two steps, so waiting for the answer
+    would hold the driving thread for up to a step, the engine left without
+    new requests meanwhile. So `send` only sends the take (on the driving
+    thread, the one that uses the engine's socket) and returns; a thread waits
+    for each answer in turn and hands its values to ``deliver``. At most
+    `WAITING` takes wait for that thread (`send` blocks beyond): the values
+    the engine holds for the client stay bounded. After an error the rest is
+    dropped, and `send` and `close` raise it.
+    """
+
+    #: Takes sent and not yet delivered before `send` waits.
+    WAITING = 2
+
+    def __init__(self, model: Any, name: str, values: Callable[[dict, list], list], deliver: Callable[[list], Any]) -> None:
+        self.engine = model.vllm_entrypoint.llm_engine
+        self.name, self.values, self.deliver = name, values, deliver
+        self.error: BaseException | None = None
+        self.queue: queue.Queue = queue.Queue(maxsize=self.WAITING)
+        self.thread = threading.Thread(target=self._work, name="vlenvoys-takes", daemon=True)
+        self.thread.start()
+
+    def send(self, finished: list) -> None:
+        """Ask the engine for ``finished``'s values (``(output, prompt index)`` pairs); they go to ``deliver`` later."""
+        self.raise_error()
+        answer = _sent(self.engine, "vlenvoys_collect_take", (self.name, [output.request_id for output, _ in finished]))
+        self.queue.put((answer, finished))
+
+    def _work(self) -> None:
+        while (job := self.queue.get()) is not None:
+            answer, finished = job
+            if self.error is not None:
+                continue
+            try:
+                (packed, *_) = _answer(self.engine, answer)
+                self.deliver(self.values(packed, finished))
+            except BaseException as error:
+                self.error = error
+            del job, answer, finished
+
+    def stop(self) -> None:
+        """Deliver the takes already sent, then end the thread."""
+        self.queue.put(None)
+        self.thread.join()
+
+    def close(self) -> None:
+        self.stop()
+        self.raise_error()
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+def _sent(engine: Any, method: str, args: tuple) -> Future:
+    """``engine.collective_rpc(method, args=args)`` sent without waiting: the future of its answer.
+
+    Sent as vLLM's multiprocess client sends a call (its ``call_utility``, less
+    the wait), on the calling thread, so the engine's socket is used by one
+    thread as before. An engine in this process answers at once.
+    """
+    core = engine.engine_core
+    results, send = getattr(core, "utility_results", None), getattr(core, "_send_input", None)
+    if results is None or send is None:
+        answer: Future = Future()
+        answer.set_result(engine.collective_rpc(method, args=args))
+        return answer
+    from vllm.v1.engine import EngineCoreRequestType
+
+    call = uuid.uuid1().int >> 64
+    answer = results[call] = Future()
+    send(EngineCoreRequestType.UTILITY, (0, call, "collective_rpc", (method, None, args, None)))
+    return answer
+
+
+def _answer(engine: Any, answer: Future) -> Any:
+    """The answer of a call `_sent` sent; RuntimeError if vLLM's engine process exits first."""
+    resources = getattr(engine.engine_core, "resources", None)
+    while True:
+        try:
+            return answer.result(timeout=0.1)
+        except FutureTimeout:
+            if resources is not None and resources.engine_dead:
+                raise RuntimeError("vLLM's engine process exited before it answered a take of collected values") from None
 
 
 def _params(extra_args: dict) -> Any:
@@ -306,14 +413,13 @@ def _run(
     params: Any,
     batch_size: int,
     progress: Callable[[int], Any] | None,
-    fetch: Callable[[list], list[dict[str, torch.Tensor]]],
-    deliver: Callable[[int, dict[str, torch.Tensor]], Any],
-    fetch_every: int = 1,
+    take: Callable[[list], Any],
+    take_every: int = 1,
 ) -> None:
-    """Drive the engine with ``batch_size`` requests in flight, handing each prompt's values to ``deliver``.
+    """Drive the engine with ``batch_size`` requests in flight, handing the finished ones to ``take``.
 
-    ``fetch`` gets finished ``(output, prompt index)`` pairs and returns their values: once
-    ``fetch_every`` have finished (or none are left in flight), each engine step's with the default.
+    ``take`` gets finished ``(output, prompt index)`` pairs and sees their values delivered: once
+    ``take_every`` have finished (or none are left in flight), each engine step's with the default.
     """
     from vllm.exceptions import VLLMClientError
     from vllm.inputs import TokensPrompt
@@ -341,7 +447,7 @@ def _run(
                 raise ValueError(f"prompt {following}: {error}") from error
             in_flight[request_id] = following
 
-    pending: list = []  # finished, values not yet fetched
+    pending: list = []  # finished, values not yet taken
     try:
         submit()
         while in_flight:
@@ -355,9 +461,8 @@ def _run(
             # Refill first: the engine works on the next step while these values come over.
             submit()
             pending.extend(finished)
-            if pending and (len(pending) >= fetch_every or not in_flight):
-                for (_, index), values in zip(pending, fetch(pending), strict=True):
-                    deliver(index, values)
+            if pending and (len(pending) >= take_every or not in_flight):
+                take(pending)
                 pending = []
             if finished and progress is not None:
                 progress(len(finished))

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -333,11 +333,13 @@ def start_checked(worker: Any, name: str, reads: list[Read]) -> dict[str, Any]:
     the width a head-split value's rows are cut by (`vlenvoys serve`, which has
     no envoy tree of its own to learn the layouts from).
     """
+    from .envoys import unavailable_reason
+
     model = worker.model_runner.nnsight_model
     head_dims = {}
     for read in reads:
         envoy, value = _descriptor(model, read)
-        why = (getattr(envoy, "unavailable_here", None) or getattr(envoy, "unavailable", lambda name: None))(read[2])
+        why = unavailable_reason(envoy, read[2])
         if why is None:
             why = eligible(model, [read])
             if why is not None:
@@ -369,30 +371,37 @@ def split(model: Any, reads: Sequence[Read], taken: dict) -> dict[str, dict[str,
     The values are views of the engine's host blocks (`received`): rows of
     different requests never overlap, so each is that request's own.
     """
-    result: dict[str, Any] = dict(taken["missing"])
-    for read in reads:
-        envoy, value = _descriptor(model, read)
-        key, head_dim = f"{read[2]}.{read[0]}", value._head_dim(envoy)
-        for caller_id, rows in zip(taken["order"], taken["values"].get(key, ()), strict=True):
-            if head_dim is not None:
-                rows = rows.reshape(*rows.shape[:-1], -1, head_dim)
-            result.setdefault(caller_id, {})[key] = value._stub(envoy, rows.unsqueeze(0))
-    return result
+
+    def laid_out(envoy: Any, value: Any, rows: torch.Tensor, head_dim: int | None) -> torch.Tensor:
+        if head_dim is not None:
+            rows = rows.reshape(*rows.shape[:-1], -1, head_dim)
+        return value._stub(envoy, rows.unsqueeze(0))
+
+    return _per_request(model, reads, taken, taken["values"], laid_out)
 
 
 def unread(model: Any, reads: Sequence[Read], taken: dict[str, Any]) -> dict[str, dict[str, handover.Rows] | str]:
     """Client side: `take`'s answer as each request's values not yet read (`vlenvoys.handover.Rows`, one
     row per token, each row in the value's layout), or why it has none: for a caller that reads them straight
     into its own memory (`vlenvoys.activations.collect_dataset`). Raises what `vlenvoys.handover.rows_of` raises."""
+
+    def laid_out(envoy: Any, value: Any, rows: handover.Rows, head_dim: int | None) -> handover.Rows:
+        if head_dim is not None:
+            rows = dataclasses.replace(rows, shape=(*rows.shape[:-1], rows.shape[-1] // head_dim, head_dim))
+        return rows  # every value's stub returns what it is given
+
+    return _per_request(model, reads, taken, handover.rows_of(taken), laid_out)
+
+
+def _per_request(model: Any, reads: Sequence[Read], taken: dict, values: dict[str, list], laid_out: Callable) -> dict[str, Any]:
+    """``{request: {key: laid_out(envoy, value, rows, head_dim)}}`` for each read's rows of each request in
+    ``taken["order"]`` (``values``: key -> rows per request), and ``{request: why}`` for those missing."""
     result: dict[str, Any] = dict(taken["missing"])
-    values = handover.rows_of(taken)
     for read in reads:
         envoy, value = _descriptor(model, read)
         key, head_dim = f"{read[2]}.{read[0]}", value._head_dim(envoy)
         for caller_id, rows in zip(taken["order"], values.get(key, ()), strict=True):
-            if head_dim is not None:
-                rows = dataclasses.replace(rows, shape=(*rows.shape[:-1], rows.shape[-1] // head_dim, head_dim))
-            result.setdefault(caller_id, {})[key] = rows  # every value's stub returns what it is given
+            result.setdefault(caller_id, {})[key] = laid_out(envoy, value, rows, head_dim)
     return result
 
 

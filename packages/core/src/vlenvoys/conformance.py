@@ -1113,6 +1113,54 @@ def test_router_logits_in_place_edit(subject):
     check_edit(subject, "router: logit += 4", logits_of(subject.model, prompt, edit), want, logits_of(subject.model, prompt))
 
 
+def test_router_logits_ban_experts_with_minus_inf(subject):
+    """Ban experts at block 1 by writing -inf into their logits (each token's favourite, and the last token's
+    favourite for every token: a token keeps top-k finite logits or more): the softmax gives them weight 0 and
+    the top-k picks among the others, on both engines alike. NaN, +inf, or a token left with fewer than top-k
+    finite logits is refused in the block (InvalidWrite, naming the value) and the engine goes on serving."""
+    _routed_only(subject)
+    prompt, later = subject.prompts[2], subject.prompts[1]
+    experts = subject.expected(1)["values"]["mlp_router_logits"][0].shape[-1]
+    per_token = subject.reference.config.num_experts_per_tok
+
+    def ban(logits):  # [1, tokens, experts]
+        banned = logits.scatter(-1, logits.argmax(-1, keepdim=True), -torch.inf)
+        banned[:, :, logits[0, -1].argmax()] = -torch.inf
+        return banned
+
+    def edit(model):
+        logits = model.layers[1].mlp.mlp_router_logits
+        banned = logits.scatter(-1, logits.argmax(-1, keepdim=True), -torch.inf)
+        banned[:, :, logits[0, -1].argmax()] = -torch.inf
+        model.layers[1].mlp.mlp_router_logits = banned
+
+    baseline, later_baseline = logits_of(subject.model, prompt), logits_of(subject.model, later)
+    want = subject.edited(prompt, router_edits={1: ban})
+    check_edit(subject, "router: experts banned with -inf", logits_of(subject.model, prompt, edit), want, baseline)
+
+    def nan(model):
+        model.layers[1].mlp.mlp_router_logits[:, 0, 0] = float("nan")
+
+    def plus_inf(model):
+        logits = model.layers[1].mlp.mlp_router_logits.clone()
+        logits[:, -1, 0] = torch.inf
+        model.layers[1].mlp.mlp_router_logits = logits
+
+    def too_few(model):  # token 0 keeps top-k - 1 finite logits
+        model.layers[1].mlp.mlp_router_logits[:, 0, : experts - per_token + 1] = -torch.inf
+
+    refusals = (
+        (nan, "mlp_router_logits: the written value has NaN entries"),
+        (plus_inf, r"mlp_router_logits: the written value has \+inf entries"),
+        (too_few, f"mlp_router_logits: token 0 keeps {per_token - 1} of its {experts} entries finite"),
+    )
+    for refused, match in refusals:
+        with pytest.raises(vlenvoys.InvalidWrite, match=match):
+            logits_of(subject.model, prompt, refused)
+    assert torch.equal(logits_of(subject.model, prompt), baseline)
+    assert torch.equal(logits_of(subject.model, later), later_baseline)
+
+
 def _routes_served(subject) -> None:
     _routed_only(subject)
     if not vlenvoys.support(subject.model)["mlp", "mlp_router_experts"].available:

@@ -38,6 +38,7 @@ __all__ = [
     "TransformersLayer",
     "TransformersMlp",
     "block_index",
+    "unavailable_reason",
 ]
 
 
@@ -99,6 +100,18 @@ class StandardEnvoy(Envoy):
         """Why this module, as loaded, cannot serve ``value`` (None when it can): the class's reason, or one
         that depends on the loaded modules (a mixture of experts' monolithic kernel, see `Mlp`)."""
         return type(self).unavailable(value)
+
+
+def unavailable_reason(envoy: Any, value: str) -> str | None:
+    """Why ``envoy`` cannot serve ``value``, or None when it can.
+
+    Asks the loaded module (`StandardEnvoy.unavailable_here`) where the envoy
+    has one, else its declarations (``unavailable``), so that a reason that
+    depends on the loaded model (`FUSED_ROUTING`) is never missed; an envoy
+    with neither (a plain nnsight one) serves everything it has.
+    """
+    ask = getattr(envoy, "unavailable_here", None) or getattr(envoy, "unavailable", None)
+    return None if ask is None else ask(value)
 
 
 class Layer(StandardEnvoy):
@@ -383,7 +396,10 @@ class Mlp(Contributing):
 
     A mixture of experts serves its router's logits, ``mlp_router_logits``
     (``[1, tokens, num_experts]``, before any softmax or top-k), read at the
-    router module's output; a write replaces what the routing uses. It also
+    router module's output; a write replaces what the routing uses, and a
+    written ``-inf`` bans that expert for that token (softmax weight 0 on
+    vLLM and transformers alike) as long as each token keeps
+    ``experts_per_token`` finite logits (`vlenvoys.values.check_masked`). It also
     serves the routing itself: ``mlp_router_experts`` (each token's chosen
     experts' indices, int64) and ``mlp_router_weights`` (their weights in the
     MLP's output, float32), both ``[1, tokens, experts_per_token]``, each
@@ -413,9 +429,20 @@ class Mlp(Contributing):
     ROUTER: ClassVar[str] = "gate"
     ROUTES: ClassVar[str | None] = "experts.routes.output"
 
-    @Flat("{ROUTER}.output")
+    @property
+    def experts_per_token(self) -> int | None:
+        """How many experts the loaded router sends each token to (its top-k), from the `Routes` child at
+        ``ROUTES``; None where there is none (a written -inf logit is then refused as any non-finite write)."""
+        routes = routes_of(self, self.ROUTES) if self.ROUTES is not None else None
+        return getattr(routes, "experts_per_token", None)
+
+    @Flat("{ROUTER}.output", top_k="experts_per_token")
     def mlp_router_logits(self, value) -> Experts:
-        """The router's logits, [1, tokens, num_experts]: before softmax and top-k; a write changes the routing."""
+        """The router's logits, [1, tokens, num_experts]: before softmax and top-k; a write changes the routing.
+
+        A written -inf bans that expert for that token; InvalidWrite for NaN, +inf, or a token left
+        with fewer than experts_per_token finite logits.
+        """
         return value
 
     @Chosen("{ROUTES}", select=1)

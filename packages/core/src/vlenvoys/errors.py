@@ -118,7 +118,8 @@ FORWARD_ORDER = (
 
 
 class InvalidWrite(ValueError):
-    """A written value of the wrong shape or dtype, or with NaN or infinite entries, refused in
+    """A written value of the wrong shape or dtype, or with NaN or infinite entries (router
+    logits: NaN, +inf, or fewer than top-k finite per token; -inf bans an expert), refused in
     the block that wrote it; or an in-place edit of a value with a tensor on another device.
 
     The model keeps what it had, and the engine goes on serving every other

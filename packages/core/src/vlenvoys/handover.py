@@ -434,25 +434,30 @@ def received(handed: dict[str, Any], maps: dict[str, torch.Tensor] | None = None
     Raises:
         RuntimeError: a file is not on this host (an engine on another machine).
     """
-    inline = torch.load(io.BytesIO(handed["inline"]), weights_only=True) if handed["inline"] else {}
     maps = {} if maps is None else maps
     out: dict[str, list[torch.Tensor]] = {}
-    for key, requests in handed["pieces"].items():
-        shape, dtype = handed["rows"][key]
-        each = row_bytes(shape, dtype)
-        dtype = getattr(torch, dtype)
+    for key, shape, dtype, inline, requests in _per_value(handed):
+        each = torch.Size(shape).numel() * dtype.itemsize
         out[key] = []
         for where in requests:
             parts = []
             for path, offset, count in where:
                 if path is None:
-                    parts.append(inline[key][offset : offset + count])
+                    parts.append(inline[offset : offset + count])
                     continue
                 if path not in maps:
                     maps[path] = _mapped(path)
                 parts.append(maps[path][offset : offset + count * each].view(dtype).view(count, *shape))
             out[key].append(parts[0] if len(parts) == 1 else torch.cat(parts))
     return out
+
+
+def _per_value(handed: dict[str, Any]) -> Iterator[tuple[str, tuple[int, ...], torch.dtype, torch.Tensor | None, list]]:
+    """A handover's values: ``(key, row shape, dtype, its inline rows or None, each request's pieces)``."""
+    inline = torch.load(io.BytesIO(handed["inline"]), weights_only=True) if handed["inline"] else {}
+    for key, requests in handed["pieces"].items():
+        shape, dtype = handed["rows"][key]
+        yield key, tuple(shape), getattr(torch, dtype), inline.get(key), requests
 
 
 class _Held:
@@ -513,12 +518,10 @@ def rows_of(handed: dict[str, Any]) -> dict[str, list[Rows]]:
     Raises:
         RuntimeError: a file is not on this host (an engine on another machine).
     """
-    inline = torch.load(io.BytesIO(handed["inline"]), weights_only=True) if handed["inline"] else {}
     held: dict[str, _Held] = {}
     out: dict[str, list[Rows]] = {}
-    for key, requests in handed["pieces"].items():
-        shape, dtype = handed["rows"][key]
-        flat = memoryview(inline[key].reshape(-1).view(torch.uint8).numpy()) if key in inline else None
+    for key, shape, dtype, inline, requests in _per_value(handed):
+        flat = None if inline is None else memoryview(inline.reshape(-1).view(torch.uint8).numpy())
         out[key] = []
         for where in requests:
             pieces = []
@@ -526,7 +529,7 @@ def rows_of(handed: dict[str, Any]) -> dict[str, list[Rows]]:
                 if path is not None and path not in held:
                     held[path] = _Held(path)
                 pieces.append((held.get(path), offset, count))
-            out[key].append(Rows(tuple(pieces), tuple(shape), getattr(torch, dtype), flat))
+            out[key].append(Rows(tuple(pieces), shape, dtype, flat))
     return out
 
 

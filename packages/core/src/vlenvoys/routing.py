@@ -44,13 +44,15 @@ class Routes(torch.nn.Module):
     routers) and ``experts`` ``[tokens, experts_per_token]`` (the chosen
     experts' indices, int32 on vLLM 0.32's routers), in the router's order,
     before any expert-parallel load-balancing map (logical expert ids).
+    ``experts_per_token`` is the router's top-k (None where not given).
     """
 
-    def __init__(self, runner: torch.nn.Module, num_experts: int) -> None:
+    def __init__(self, runner: torch.nn.Module, num_experts: int, experts_per_token: int | None = None) -> None:
         super().__init__()
         # A weak reference, not a submodule: the layer is this module's parent.
         self._runner = weakref.ref(runner)
         self.num_experts = int(num_experts)
+        self.experts_per_token = None if experts_per_token is None else int(experts_per_token)
 
     def forward(self, weights: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return weights, experts
@@ -81,7 +83,7 @@ def install(model: torch.nn.Module) -> int:
         router = getattr(module, "router", None)
         if not isinstance(router, BaseRouter) or "_compute_routing" in vars(router):
             continue
-        routes = Routes(module, router.global_num_experts)
+        routes = Routes(module, router.global_num_experts, router.top_k)
         module.add_module(NAME, routes)
         router._compute_routing = _through(routes, router._compute_routing)
         installed += 1

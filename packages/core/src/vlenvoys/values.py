@@ -34,6 +34,7 @@ __all__ = [
     "Routes",
     "argument",
     "batched",
+    "check_masked",
     "edited",
     "unmark",
     "served_shape",
@@ -143,7 +144,13 @@ def unmark(value: torch.Tensor) -> int | None:
 
 
 def unbatched(
-    value: Any, rows: torch.Tensor, name: str, head_dim: int | None = None, batch: bool = False
+    value: Any,
+    rows: torch.Tensor,
+    name: str,
+    head_dim: int | None = None,
+    batch: bool = False,
+    *,
+    top_k: int | None = None,
 ) -> torch.Tensor:
     """What `batched` served, back as the ``[tokens, ...]`` the model holds.
 
@@ -164,9 +171,17 @@ def unbatched(
     picks it up (measured on the CPU engine: a NaN written at block 3 of one
     request made every later request NaN from block 4's attention on).
 
+    With ``top_k`` the value holds scores a softmax and a top-k of ``top_k``
+    entries pick from along the last axis (a router's logits), where ``-inf``
+    has a meaning: that entry gets weight 0 and is never picked. Such entries
+    are accepted as long as every row keeps ``top_k`` finite ones (see
+    `check_masked`).
+
     Raises:
         InvalidWrite: ``value`` is not a tensor, its shape or dtype differs
-            from what was served, or it has NaN or infinite entries.
+            from what was served, or it has NaN or infinite entries (with
+            ``top_k``: NaN, ``+inf``, or a row with fewer than ``top_k``
+            finite entries).
     """
     expected = served_shape(rows, head_dim, batch)
     if not isinstance(value, torch.Tensor):
@@ -183,11 +198,41 @@ def unbatched(
     if value.device != rows.device:
         value = value.to(rows.device)
     if value.is_floating_point() and not bool(torch.isfinite(value).all()):
-        raise InvalidWrite(
-            f"{name}: the written value has NaN or infinite entries; they would reach the engine's "
-            "key/value cache and spoil the logits of later requests"
-        )
+        if top_k is None:
+            raise InvalidWrite(
+                f"{name}: the written value has NaN or infinite entries; they would reach the engine's "
+                "key/value cache and spoil the logits of later requests"
+            )
+        check_masked(value, name, top_k)
     return value.reshape(rows.shape)
+
+
+def check_masked(value: torch.Tensor, name: str, top_k: int) -> None:
+    """Refuse scores a top-k of ``top_k`` picks from (``[..., entries]``) unless their only non-finite entries mask.
+
+    ``-inf`` masks an entry: its softmax weight is 0, on vLLM and transformers
+    alike, so a row keeping ``top_k`` finite entries has its top-k among them.
+
+    Raises:
+        InvalidWrite: a NaN or a ``+inf`` entry (the softmax would be NaN), or a
+            row with fewer than ``top_k`` finite entries: its top-k would pick
+            among tied ``-inf`` entries, an arbitrary choice (and with no
+            finite entry at all the softmax is NaN).
+    """
+    masks = "-inf is the one non-finite entry taken: it masks the entry (weight 0, never in the top-k)"
+    if bool(torch.isnan(value).any()):
+        raise InvalidWrite(f"{name}: the written value has NaN entries; {masks}")
+    if bool((value == torch.inf).any()):
+        raise InvalidWrite(f"{name}: the written value has +inf entries (the softmax would be NaN); {masks}")
+    finite = torch.isfinite(value).sum(-1).reshape(-1)
+    short = (finite < top_k).nonzero()
+    if short.numel():
+        row = int(short[0])
+        raise InvalidWrite(
+            f"{name}: token {row} keeps {int(finite[row])} of its {value.shape[-1]} entries finite, and the top-k "
+            f"picks {top_k}: at least {top_k} must stay above -inf, or the top-k picks among tied masked entries "
+            "(with none finite, the softmax is NaN)"
+        )
 
 
 def served_shape(rows: torch.Tensor, head_dim: int | None = None, batch: bool = False) -> tuple[int, ...]:
@@ -206,11 +251,11 @@ class Located(eproperty):
     starting with ``../`` is relative to the envoy's parent (a sibling
     module's input or output); a key starting with ``source.`` is an
     operation inside the module's forward (nnsight's ``.source``), where a
-    value has no module boundary of its own. The envoy's
-    ``unavailable_here(name)`` (its class's static reasons, and those of its
-    loaded modules), or ``unavailable(name)``, and ``dynamic`` (a callable of the
-    envoy and the location, for reasons that depend on the step a read would
-    be served) are asked before anything is read.
+    value has no module boundary of its own. The envoy's reason
+    (`vlenvoys.envoys.unavailable_reason`: its class's static reasons, and
+    those of its loaded modules) and ``dynamic`` (a callable of the envoy and
+    the location, for reasons that depend on the step a read would be served)
+    are asked before anything is read.
     """
 
     def __init__(self, key: str, *, description: str | None = None, dynamic: Callable | None = None) -> None:
@@ -255,8 +300,9 @@ class Located(eproperty):
         return super().__get__(obj, owner)
 
     def _check_available(self, obj: Any) -> None:
-        reason = getattr(obj, "unavailable_here", None) or getattr(obj, "unavailable", _nothing)
-        reason = reason(self.name)
+        from .envoys import unavailable_reason  # envoys declares its values with this module's classes
+
+        reason = unavailable_reason(obj, self.name)
         if reason is None and self.dynamic is not None:
             reason = self.dynamic(obj, self._location(obj))
         if reason is not None:
@@ -374,6 +420,12 @@ class Flat(Located):
             of the envoy's declaration saying so (``BATCHED``: True for the
             modules of vLLM's transformers backend, whose activations are
             ``[1, tokens, ...]``; vLLM's own attention kernel stays flat).
+        top_k: The name of a declaration on the envoy giving how many
+            entries of each row a top-k picks from the value (a router's
+            logits: ``experts_per_token``): a written ``-inf`` then masks an
+            entry instead of being refused, as long as each row keeps that
+            many finite (`check_masked`). None for every other value, which
+            must be finite; so must this one where the declaration is None.
         description: One line shown in the envoy's repr.
         dynamic: ``(envoy, location) -> reason | None``, asked before a read
             (see `Located`).
@@ -391,6 +443,7 @@ class Flat(Located):
         heads: str | None = None,
         factor: str | None = None,
         batch: bool | str = "BATCHED",
+        top_k: str | None = None,
         description: str | None = None,
         dynamic: Callable | None = None,
     ) -> None:
@@ -399,6 +452,7 @@ class Flat(Located):
         self.heads = heads
         self.factor = factor
         self.batch = batch
+        self.top_k = top_k
 
     def __call__(self, stub: Callable) -> "Flat":
         super().__call__(stub)
@@ -419,6 +473,13 @@ class Flat(Located):
 
     def _scale(self, obj: Any) -> float:
         return 1.0 if self.factor is None else float(getattr(obj, self.factor))
+
+    def _top_k(self, obj: Any) -> int | None:
+        count = None if self.top_k is None else getattr(obj, self.top_k)
+        return None if count is None else int(count)
+
+    def _unbatched(self, obj: Any, value: Any, current: torch.Tensor) -> torch.Tensor:
+        return unbatched(value, current, self.name, self._head_dim(obj), self._batch(obj), top_k=self._top_k(obj))
 
     # -- the raw value and the model's tensor in it --------------------------
 
@@ -479,14 +540,14 @@ class Flat(Located):
         if not edited(view):
             return raw
         current = self.pick(obj, raw)
-        return self.place(obj, raw, unbatched(view, current, self.name, self._head_dim(obj), self._batch(obj)), current)
+        return self.place(obj, raw, self._unbatched(obj, view, current), current)
 
     def __set__(self, obj: Any, value: Any) -> None:
         self._check_available(obj)
         location = self._location(obj)
         raw = Mediator.value(location)
         current = self.pick(obj, raw)
-        new = unbatched(value, current, self.name, self._head_dim(obj), self._batch(obj))
+        new = self._unbatched(obj, value, current)
         Mediator.swap(location, self.place(obj, raw, new, current))
 
 
@@ -597,8 +658,3 @@ class _Declarations(dict):
 
     def __missing__(self, name: str) -> str:
         return str(getattr(self.envoy, name))
-
-
-def _nothing(name: str) -> None:
-    return None
-
