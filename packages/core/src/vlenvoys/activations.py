@@ -46,7 +46,7 @@ import queue
 import random
 import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -54,7 +54,7 @@ from typing import Any
 import numpy
 import torch
 
-from .handover import Rows, read_rows
+from .handover import InThread, Rows, read_rows
 
 __all__ = ["POSITIONS", "Activations", "Plan", "collect_dataset", "documents", "windows"]
 
@@ -381,44 +381,7 @@ class _Ahead:
         self.thread.join()
 
 
-class _InThread:
-    """``deliver`` called on a thread of its own, in order, at most ``depth`` calls behind the caller."""
-
-    def __init__(self, deliver: Callable, depth: int, name: str) -> None:
-        self.deliver = deliver
-        self.queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._work, name=name, daemon=True)
-        self.thread.start()
-
-    def _work(self) -> None:
-        while (job := self.queue.get()) is not None:
-            if self.error is None:  # after an error the rest is dropped: the caller raises it at its next call
-                try:
-                    self.deliver(*job)
-                except BaseException as error:
-                    self.error = error
-            del job
-
-    def __call__(self, *args: Any) -> None:
-        self.raise_error()
-        self.queue.put(args)
-
-    def stop(self) -> None:
-        """Deliver what was handed over, then end the thread."""
-        self.queue.put(None)
-        self.thread.join()
-
-    def close(self) -> None:
-        self.stop()
-        self.raise_error()
-
-    def raise_error(self) -> None:
-        if self.error is not None:
-            raise self.error
-
-
-class _Writer(_InThread):
+class _Writer(InThread):
     """Writes shards on a thread of its own, one behind the engine: the forward goes on while a shard is written."""
 
     def __init__(self, shards: _Shards) -> None:

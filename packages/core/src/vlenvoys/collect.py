@@ -22,7 +22,6 @@ nobody else's request carries this block, its cost or its saves.
 from __future__ import annotations
 
 import contextlib
-import queue
 import threading
 import uuid
 import warnings
@@ -36,6 +35,7 @@ from nnsight.intervention.interleaver import Mediator
 from nnsight.modeling.vllm.engines.engine import merge_collected
 
 from . import collector
+from .handover import InThread
 from .values import unmark
 
 __all__ = ["PRIVATE", "collect", "registered", "serve_private_edits", "stream"]
@@ -261,41 +261,24 @@ class _Takes:
     def __init__(self, model: Any, name: str, values: Callable[[dict, list], list], deliver: Callable[[list], Any]) -> None:
         self.engine = model.vllm_entrypoint.llm_engine
         self.name, self.values, self.deliver = name, values, deliver
-        self.error: BaseException | None = None
-        self.queue: queue.Queue = queue.Queue(maxsize=self.WAITING)
-        self.thread = threading.Thread(target=self._work, name="vlenvoys-takes", daemon=True)
-        self.thread.start()
+        self.answered = InThread(self._answered, self.WAITING, "vlenvoys-takes")
 
     def send(self, finished: list) -> None:
         """Ask the engine for ``finished``'s values (``(output, prompt index)`` pairs); they go to ``deliver`` later."""
-        self.raise_error()
-        answer = _sent(self.engine, "vlenvoys_collect_take", (self.name, [output.request_id for output, _ in finished]))
-        self.queue.put((answer, finished))
+        self.answered.raise_error()
+        self.answered(_sent(self.engine, "vlenvoys_collect_take", (self.name, [output.request_id for output, _ in finished])), finished)
 
-    def _work(self) -> None:
-        while (job := self.queue.get()) is not None:
-            answer, finished = job
-            if self.error is not None:
-                continue
-            try:
-                (packed, *_) = _answer(self.engine, answer)
-                self.deliver(self.values(packed, finished))
-            except BaseException as error:
-                self.error = error
-            del job, answer, finished
+    def _answered(self, answer: Future, finished: list) -> None:
+        (packed, *_) = _answer(self.engine, answer)
+        self.deliver(self.values(packed, finished))
 
     def stop(self) -> None:
         """Deliver the takes already sent, then end the thread."""
-        self.queue.put(None)
-        self.thread.join()
+        self.answered.stop()
 
     def close(self) -> None:
-        self.stop()
-        self.raise_error()
-
-    def raise_error(self) -> None:
-        if self.error is not None:
-            raise self.error
+        """`stop`, then raise the error a take or ``deliver`` met, if any."""
+        self.answered.close()
 
 
 def _sent(engine: Any, method: str, args: tuple) -> Future:

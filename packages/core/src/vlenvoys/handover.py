@@ -50,11 +50,13 @@ import fcntl
 import io
 import mmap
 import os
+import queue
 import re
 import tempfile
+import threading
 import uuid
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -577,6 +579,48 @@ def read_rows(reads: Iterable[tuple[Rows, Sequence[tuple[int, int]], memoryview,
                 index += 1
             if os.preadv(fd, views, offset) != end - offset:
                 raise RuntimeError("an engine file ended before the rows it was said to hold")
+
+
+class InThread:
+    """``deliver`` called on a thread of its own, in order, at most ``depth`` calls behind the caller.
+
+    For work on handed-over values that should not hold the thread driving the
+    engine (`vlenvoys.collect`'s takes, `vlenvoys.activations`' shard writes).
+    After an error the rest is dropped, and the next call, or `close`, raises it.
+    """
+
+    def __init__(self, deliver: Callable, depth: int, name: str) -> None:
+        self.deliver = deliver
+        self.queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self.thread.start()
+
+    def _work(self) -> None:
+        while (job := self.queue.get()) is not None:
+            if self.error is None:  # after an error the rest is dropped: the caller raises it at its next call
+                try:
+                    self.deliver(*job)
+                except BaseException as error:
+                    self.error = error
+            del job
+
+    def __call__(self, *args: Any) -> None:
+        self.raise_error()
+        self.queue.put(args)
+
+    def stop(self) -> None:
+        """Deliver what was handed over, then end the thread."""
+        self.queue.put(None)
+        self.thread.join()
+
+    def close(self) -> None:
+        self.stop()
+        self.raise_error()
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise self.error
 
 
 def taken_saves(where: tuple[str, int], size: int, take: Any, pin: bool = False) -> Any:
