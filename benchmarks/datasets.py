@@ -6,7 +6,10 @@ For each corpus size (tokens of windows) it measures, on one engine:
   disk) and of plain vLLM prefill of the same windows with as many in flight;
 - the peak memory of this process and vLLM's together (proportional set sizes, sampled every 20 ms)
   during each, to show that a longer corpus does not take more memory;
-- the bytes written.
+- the bytes written;
+- the client process's CPU time per window (every thread but the memory sampling's; vLLM's engine
+  core runs in a process of its own): what the client spends beside the engine, which sets the pace
+  where the engine is fast (a GPU's).
 
 On the CPU: the built-in SmolLM2-135M (float32). Where torch sees a GPU:
 bench.py's random Llama of a 1B shape in bfloat16. Run with ``nox -s bench``
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import tempfile
 import time
@@ -31,6 +35,12 @@ from vlenvoys.activations import collect_dataset, windows
 # This file's folder is on the path when it runs as a script.
 from bench import MAX_MODEL_LEN, PeakMemory, checkout, cuda_checkpoint, github_table, stop
 from workloads import prompts
+
+
+def client_cpu() -> float:
+    """CPU seconds this process has used, every thread (vLLM's engine core runs in a process of its own)."""
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    return used.ru_utime + used.ru_stime
 
 
 def plain_prefill(model, cut: list[list[int]], in_flight: int) -> None:
@@ -111,33 +121,40 @@ def main() -> None:
             tokens = len(cut) * args.context_length
             repeats = args.repeats if size < 100_000 else 1
             plain_seconds, ours_seconds, plain_peak, ours_peak, written = [], [], 0.0, 0.0, 0
+            plain_cpu, ours_cpu = [], []  # the client process's CPU seconds (every thread; the engine runs in its own)
             for _ in range(repeats):
                 with PeakMemory() as peak:
-                    start = time.perf_counter()
+                    start, cpu = time.perf_counter(), client_cpu()
                     plain_prefill(model, cut, in_flight)
                     plain_seconds.append(time.perf_counter() - start)
+                    plain_cpu.append(client_cpu() - cpu)
+                plain_cpu[-1] -= peak.cpu  # not the memory sampling's
                 plain_peak = max(plain_peak, peak.peak)
                 folder = scratch / "acts"
                 with PeakMemory() as peak:
-                    start = time.perf_counter()
+                    start, cpu = time.perf_counter(), client_cpu()
                     collect_dataset(model, documents, folder, "layer_output", [layer], context_length=args.context_length,
                                     max_tokens=tokens, progress=False)
                     ours_seconds.append(time.perf_counter() - start)
+                    ours_cpu.append(client_cpu() - cpu)
+                ours_cpu[-1] -= peak.cpu
                 ours_peak = max(ours_peak, peak.peak)
                 written = sum(file.stat().st_size for file in folder.iterdir())
                 shutil.rmtree(folder)
             plain_rate, ours_rate = tokens / min(plain_seconds), tokens / min(ours_seconds)
+            plain_us, ours_us = (1e6 * min(each) / len(cut) for each in (plain_cpu, ours_cpu))
             measured.append({"tokens": tokens, "plain_tokens_per_s": plain_rate, "dataset_tokens_per_s": ours_rate,
                              "plain_peak_mib": plain_peak, "dataset_peak_mib": ours_peak, "bytes_written": written,
+                             "plain_client_us_per_window": plain_us, "dataset_client_us_per_window": ours_us,
                              "repeats": repeats})
             rows.append((f"{tokens:,}", f"{ours_rate:,.0f}", f"{plain_rate:,.0f}", f"{ours_rate / plain_rate:.3f}",
-                         f"{ours_peak:,.0f}", f"{plain_peak:,.0f}", f"{written / 2**20:,.0f}"))
+                         f"{ours_peak:,.0f}", f"{plain_peak:,.0f}", f"{written / 2**20:,.0f}", f"{ours_us:,.0f}", f"{plain_us:,.0f}"))
             print(" | ".join(rows[-1]), flush=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
         stop(model)
     headers = ("tokens", "collect_dataset tok/s", "plain prefill tok/s", "ratio", "collect_dataset peak MiB",
-               "plain prefill peak MiB", "written MiB")
+               "plain prefill peak MiB", "written MiB", "collect_dataset client CPU µs/window", "plain prefill client CPU µs/window")
     device = torch.cuda.get_device_name() if cuda else f"CPU, {os.cpu_count()} cores"
     header = (f"{device}; {described}; layer_output at block {layer}, windows of {args.context_length} tokens, "
               f"{in_flight} in flight, bfloat16 shards; peak = this process and vLLM's, proportional set size (shared pages once); "

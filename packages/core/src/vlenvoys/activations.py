@@ -451,9 +451,12 @@ class _Assembler:
 
         A value is a ``[1, tokens, ...]`` tensor, or `Rows` not yet read (`stream`'s ``unread``): those in
         the stored dtype are read from the engine's files straight into the shard (`read_rows`), the others
-        read, then converted with the tensors' copy. A value of an integer dtype is stored in its own.
+        read together into one tensor per value, then converted into the shard with one copy (a read and a
+        copy per window cost the CPU engine's client 0.4 ms a window, float32 into bfloat16). A value of an
+        integer dtype is stored in its own.
         """
         unread, targets, sources = [], [], []
+        converted: dict[str, list] = {}  # key -> (rows, runs, shard tensor, first row) read, then converted
         for offset, values in windows:
             window = self.first + offset
             _, runs, row = self.placed[window]
@@ -474,13 +477,25 @@ class _Assembler:
                     unread.append((value, runs, self.bytes[shard][key], row))
                     continue
                 if isinstance(value, Rows):
-                    value = value.tensor().unsqueeze(0)
+                    converted.setdefault(key, []).append((value, runs, buffers[key], row))
+                    continue
                 at = row
                 for start, stop in runs:
                     targets.append(buffers[key][at : at + stop - start])
                     sources.append(value[0, start:stop])
                     at += stop - start
         read_rows(unread)
+        for waiting in converted.values():
+            first = waiting[0][0]
+            kept = [sum(stop - start for start, stop in runs) for _, runs, _, _ in waiting]
+            read = torch.empty((sum(kept), *first.shape), dtype=first.dtype)  # a value's rows share shape and dtype
+            flat, starts = memoryview(read.view(-1).view(torch.uint8).numpy()), itertools.accumulate(kept, initial=0)
+            read_rows([(rows, runs, flat, start) for (rows, runs, _, _), start in zip(waiting, starts)])
+            at = 0
+            for (_, _, buffer, row), count in zip(waiting, kept):
+                targets.append(buffer[row : row + count])  # a window's kept rows lie back to back in its shard
+                sources.append(read[at : at + count])
+                at += count
         if targets:
             torch._foreach_copy_(targets, sources)
         del unread, targets, sources
