@@ -261,6 +261,7 @@ def test_collect_command(tiny_llama, tmp_path):
         ["collect", str(prompts), str(tiny_llama), "--layers", "0,-1", "--out", str(out), "--batch", "3"],
     )
     assert result.exit_code == 0, result.output
+    assert out.stat().st_mode & 0o777 == prompts.stat().st_mode & 0o777  # a new file's mode, not safetensors' 0600
     tensors = load_file(str(out))
     assert len(tensors) == 2 * len(testing.PROMPTS)
     with safe_open(str(out), "pt") as saved:

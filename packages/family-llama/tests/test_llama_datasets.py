@@ -233,11 +233,13 @@ def test_bad_inputs_are_refused_and_the_engine_goes_on(subject, full_run, tmp_pa
         collect_dataset(model, source, tmp_path / "e", "layer_output", [0], context_length=CONTEXT, positions="first", progress=False)
     with pytest.raises(ValueError, match="context_length must be at least 2, got 0"):
         collect_dataset(model, source, tmp_path / "z", "layer_output", [0], context_length=0, progress=False)
+    with pytest.raises(ValueError, match=r"attention_probabilities: a pattern is \[1, heads, tokens, tokens\] per window"):
+        collect_dataset(model, source, tmp_path / "p", ["layer_output", "attention_probabilities"], [0], context_length=CONTEXT, progress=False)
     with pytest.raises(ValueError, match="'no_such_value' is not a block value; choose from layer_input"):
         collect_dataset(model, source, tmp_path / "f", "no_such_value", [0], context_length=CONTEXT, progress=False)
     with pytest.raises(FileNotFoundError):
         collect_dataset(model, tmp_path / "missing.txt", tmp_path / "g", "layer_output", [0], context_length=CONTEXT, progress=False)
-    assert not any((tmp_path / name).exists() for name in "abcdefg")  # a refused run leaves no folder
+    assert not any((tmp_path / name).exists() for name in "abcdefgp")  # a refused run leaves no folder
     before = file_bytes(folder)
     with pytest.raises(FileExistsError, match=r"another run \(its setting -> this run's: layers: \[0, 2\] -> \[1\]"):
         collect_dataset(model, source, folder, VALUES, [1], context_length=CONTEXT, dtype="float32", shard_tokens=3 * CONTEXT, progress=False)

@@ -286,15 +286,12 @@ class _Shards:
 
     def write(self, tensors: dict[str, torch.Tensor], first: int, last: int) -> None:
         """Shard number ``len(done)``: windows ``first`` to ``last - 1``, then the manifest that lists it."""
-        from safetensors.torch import save_file
-
         name = f"shard-{len(self.done):05d}.safetensors"
         self.folder.mkdir(parents=True, exist_ok=True)
         metadata = {"plan": json.dumps(asdict(self.plan)), "windows": json.dumps([first, last]), "format": FORMAT}
         target = self.folder / name
         try:
-            save_file(tensors, str(target) + ".tmp", metadata=metadata)
-            os.chmod(str(target) + ".tmp", _new_file_mode())  # safetensors makes its files private (0600)
+            save_readable(tensors, str(target) + ".tmp", metadata)
             os.replace(str(target) + ".tmp", target)
             shard = {"file": name, "windows": [first, last], "tokens": int(tensors["token_ids"].shape[0])}
             self._write_manifest(self.done + [shard])
@@ -602,7 +599,8 @@ def collect_dataset(
     Raises:
         ValueError: ``context_length`` longer than the engine serves, an
             unknown ``dtype`` or ``positions``, a corpus too short for one
-            window, or what `documents` and `vlenvoys.collect` raise for their inputs.
+            window, an attention pattern (not a row per token), or what
+            `documents` and `vlenvoys.collect` raise for their inputs.
         FileExistsError: ``out`` holds another run's shards (a different plan).
         OSError: a shard could not be written (a full disk): the shards
             before it stay complete, and the same call continues after them.
@@ -619,6 +617,7 @@ def collect_dataset(
         )
     names = [values] if isinstance(values, str) else list(values)
     reads = _reads(model, names, layers)
+    _check_rows_per_token(model, names)
     plan = make_plan(
         str(model.vllm_entrypoint.llm_engine.vllm_config.model_config.model),
         names,
@@ -683,6 +682,26 @@ def collect_dataset(
             bar.close()
     shards.finish()
     return Activations(out)
+
+
+def _check_rows_per_token(model: Any, names: list[str]) -> None:
+    """ValueError for a value that is not a row per token (an attention pattern: ``[1, heads, tokens, tokens]`` a window)."""
+    from .support import support
+
+    patterns = sorted({row.value for row in support(model) if row.value in names and row.layout == "Pattern"})
+    if patterns:
+        raise ValueError(
+            f"{', '.join(patterns)}: a pattern is [1, heads, tokens, tokens] per window, not a row per token, and a shard "
+            "holds rows per token; read patterns with vlenvoys.collect or a trace"
+        )
+
+
+def save_readable(tensors: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict[str, str]) -> None:
+    """safetensors' ``save_file``, the file then given the mode a new file gets here (safetensors makes it 0600)."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, _new_file_mode())
 
 
 def _row_shape(value: torch.Tensor | Rows) -> tuple[int, ...]:

@@ -240,10 +240,10 @@ def check_served(model: str, values: list[str]) -> None:
 
 def _collect_prompts(prompts: Path, model: str, named: str, value: str, chosen: list[int], out: Path, batch: int | None) -> None:
     from rich.console import Console
-    from safetensors.torch import save_file
     from tqdm import tqdm
 
     import vlenvoys
+    from vlenvoys.activations import save_readable
     from vlenvoys.collect import collect as collect_values
 
     texts = [line.strip() for line in prompts.read_text().splitlines() if line.strip()]
@@ -266,7 +266,7 @@ def _collect_prompts(prompts: Path, model: str, named: str, value: str, chosen: 
     }
     # safetensors metadata is string -> string: the lists go in as JSON.
     metadata = {"prompts": json.dumps(texts), "value": value, "layers": json.dumps(sorted(set(chosen))), "model": named}
-    save_file(tensors, str(out), metadata=metadata)
+    save_readable(tensors, out, metadata)
     console.print(f"{len(tensors)} tensors from {len(texts)} prompts saved to {out}")
 
 
