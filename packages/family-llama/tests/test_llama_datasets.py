@@ -183,6 +183,41 @@ def test_an_interrupted_run_continues_after_its_last_complete_shard(subject, ful
 
 
 @on_tiny_llama
+def test_a_larger_max_tokens_continues_a_run_and_a_changed_source_is_refused(subject, full_run, tmp_path):
+    folder, source, _, cut = full_run
+    out = tmp_path / "acts"
+    arguments = dict(context_length=CONTEXT, dtype="float32", shard_tokens=3 * CONTEXT, progress=False)
+    first = collect_dataset(subject.model, source, out, VALUES, [0, -1], max_tokens=4 * CONTEXT, **arguments)
+    assert first.complete and len(first) == 4 * CONTEXT
+    with pytest.raises(FileExistsError, match=rf"already holds 4 windows \({4 * CONTEXT} tokens\), more than max_tokens {2 * CONTEXT}"):
+        collect_dataset(subject.model, source, out, VALUES, [0, -1], max_tokens=2 * CONTEXT, **arguments)
+    written = file_bytes(out)
+    assert len(collect_dataset(subject.model, source, out, VALUES, [0, -1], max_tokens=4 * CONTEXT, **arguments)) == 4 * CONTEXT
+    assert file_bytes(out) == written  # the same limit: returned as it is
+    more = collect_dataset(subject.model, source, out, VALUES, [0, -1], max_tokens=6 * CONTEXT, **arguments)
+    assert more.complete and len(more) == 6 * CONTEXT
+    assert all(file_bytes(out)[name] == data for name, data in written.items())  # the shards before are kept, not written again
+    everything = collect_dataset(subject.model, source, out, VALUES, [0, -1], **arguments)  # no limit: the rest of the source
+    assert len(everything) == len(cut) * CONTEXT
+    assert_same_dataset(out, folder, subject)
+
+    # Shards of a source that was edited since, or of another list of texts, are not continued.
+    edited = tmp_path / "edited.jsonl"
+    edited.write_text(Path(source).read_text())
+    collect_dataset(subject.model, edited, tmp_path / "e", "layer_output", [0], max_tokens=2 * CONTEXT, **arguments)
+    lines = edited.read_text().splitlines()
+    edited.write_text("\n".join([json.dumps({"text": "An edited first document."}), *lines[1:]]) + "\n")
+    with pytest.raises(FileExistsError, match=r"the source changed since these shards were written \(window 0, in shard-00000"):
+        collect_dataset(subject.model, edited, tmp_path / "e", "layer_output", [0], **arguments)
+    collect_dataset(subject.model, CORPUS, tmp_path / "l", "layer_output", [0], max_tokens=3 * CONTEXT, **arguments)
+    fewer = len(list(windows(CORPUS[:2], subject.model.tokenizer, CONTEXT)))
+    assert fewer < 3
+    with pytest.raises(FileExistsError, match=f"the source now makes {fewer} windows, fewer than the 3 these shards hold"):
+        collect_dataset(subject.model, CORPUS[:2], tmp_path / "l", "layer_output", [0], **arguments)
+    assert engine_is_idle(subject.model)
+
+
+@on_tiny_llama
 def test_a_full_disk_keeps_the_shards_before_and_a_rerun_continues(subject, full_run, tmp_path, monkeypatch):
     import safetensors.torch
 
@@ -246,6 +281,14 @@ def test_bad_inputs_are_refused_and_the_engine_goes_on(subject, full_run, tmp_pa
     assert file_bytes(folder) == before
     with pytest.raises(FileNotFoundError, match="not a folder collect_dataset wrote"):
         Activations(tmp_path)
+    with pytest.raises(FileNotFoundError, match="nowhere does not exist"):
+        Activations(tmp_path / "nowhere")
+    shard_count = len(Activations(folder).shards)
+    with pytest.raises(IndexError, match=rf"shard 99: this dataset has {shard_count} shards \(0 to {shard_count - 1}\)"):
+        Activations(folder).shard(99)
+    assert torch.equal(Activations(folder).shard(-1)["window"], rows(folder)["window"][-len(Activations(folder).shard(-1)["window"]) :])
+    with pytest.raises(ValueError, match="buffer_shards must be a positive int, got 0"):
+        next(Activations(folder).batches(4, shuffle=True, buffer_shards=0))
     with pytest.raises(ValueError, match="is a folder of activation shards .collect_dataset's output., not a corpus"):
         collect_dataset(model, folder, tmp_path / "j", "layer_output", [0], context_length=CONTEXT, progress=False)
     (tmp_path / "plain-folder").mkdir()

@@ -246,11 +246,13 @@ def _describe(source: Any) -> str:
 class _Shards:
     """The output folder: its manifest, and shards written whole (temporary name, then rename)."""
 
-    def __init__(self, folder: Path, plan: Plan) -> None:
-        self.folder, self.plan = folder, plan
+    def __init__(self, folder: Path, plan: Plan, limit: int | None) -> None:
+        self.folder, self.plan, self.limit = folder, plan, limit
         self.manifest = folder / MANIFEST
         self.done: list[dict] = []
         self.complete = False
+        #: The window limit of the run that wrote the manifest (None: the whole source; absent before it was kept).
+        self.limit_before: int | None = None
 
     def open(self) -> None:
         """Check the folder against the plan; take over a previous run of the same plan.
@@ -274,6 +276,7 @@ class _Shards:
                     f"{'; '.join(differences) or manifest.get('format')}); write to a new folder, or remove this one to start over"
                 )
             self.done, self.complete = manifest["shards"], manifest["complete"]
+            self.limit_before = manifest.get("max_windows")
             for shard in self.done:
                 if not (self.folder / shard["file"]).exists():
                     raise FileExistsError(f"{self.folder}: the manifest lists {shard['file']}, which is missing; remove the folder to start over")
@@ -283,6 +286,40 @@ class _Shards:
     @property
     def windows_done(self) -> int:
         return self.done[-1]["windows"][1] if self.done else 0
+
+    def stopped_at_limit(self) -> bool:
+        """Whether a complete run ended at its own ``max_tokens`` rather than at the source's end, below this run's limit."""
+        done = self.windows_done
+        return self.limit_before is not None and done == self.limit_before and (self.limit is None or self.limit > done)
+
+    def check_unchanged(self, cut: Iterator[list[int]]) -> None:
+        """Draw the windows the shards already hold from ``cut``, each checked against the tokens the shards recorded.
+
+        Reading a shard's token ids, windows and positions costs little beside
+        tokenizing its windows again, which skipping them takes anyway.
+
+        Raises:
+            FileExistsError: the source now makes other windows (edited, shortened, another list of texts).
+        """
+        from safetensors import safe_open
+
+        for shard in self.done:
+            first, last = shard["windows"]
+            drawn = list(itertools.islice(cut, last - first))
+            if len(drawn) < last - first:
+                raise FileExistsError(
+                    f"{self.folder}: the source now makes {first + len(drawn)} windows, fewer than the {last} these shards "
+                    "hold; it changed since they were written: write to a new folder, or remove this one to start over"
+                )
+            with safe_open(str(self.folder / shard["file"]), framework="pt") as stored:
+                ids, window, position = (stored.get_tensor(key).numpy() for key in ROW_KEYS)
+            expected = numpy.array(drawn, dtype=numpy.int32)[window - first, position]
+            if not numpy.array_equal(expected, ids):
+                changed = int(window[numpy.argmax(expected != ids)])
+                raise FileExistsError(
+                    f"{self.folder}: the source changed since these shards were written (window {changed}, in "
+                    f"{shard['file']}, now holds other tokens); write to a new folder, or remove this one to start over"
+                )
 
     def write(self, tensors: dict[str, torch.Tensor], first: int, last: int) -> None:
         """Shard number ``len(done)``: windows ``first`` to ``last - 1``, then the manifest that lists it."""
@@ -314,12 +351,37 @@ class _Shards:
             "format": FORMAT,
             "plan": asdict(self.plan),
             "complete": self.complete,
+            "max_windows": self.limit,
             "tokens": sum(shard["tokens"] for shard in done),
             "shards": done,
         }
         temporary = self.manifest.with_suffix(".json.tmp")
         temporary.write_text(json.dumps(manifest, indent=1))
         os.replace(temporary, self.manifest)
+
+
+def open_shards(out: str | os.PathLike, plan: Plan, max_tokens: int | None) -> _Shards:
+    """The output folder checked against a run's plan and ``max_tokens``; ``complete`` when nothing is left to collect.
+
+    A complete run that stopped at a smaller ``max_tokens`` than this one is
+    reopened, to collect the windows after it. The CLI calls this before it
+    starts an engine.
+
+    Raises:
+        FileExistsError: as `_Shards.open`, or the folder holds more windows than ``max_tokens`` allows.
+        ValueError: ``max_tokens`` less than one window.
+    """
+    limit = window_limit(max_tokens, plan.context_length)
+    shards = _Shards(Path(out), plan, limit)
+    shards.open()
+    if limit is not None and shards.windows_done > limit:
+        raise FileExistsError(
+            f"{out} already holds {shards.windows_done} windows ({shards.windows_done * plan.context_length} tokens), "
+            f"more than max_tokens {max_tokens} allows; read fewer rows of it (Activations), or write to a new folder"
+        )
+    if shards.complete and shards.stopped_at_limit():
+        shards.complete = False
+    return shards
 
 
 def _new_file_mode() -> int:
@@ -572,8 +634,10 @@ def collect_dataset(
 
     Rerun the same call after an interruption (an error, Ctrl-C, a killed
     process) and it continues after the last complete shard: the windows are
-    cut again from the source (it must not have changed) and those already
-    written are skipped. A folder whose run completed is returned as it is.
+    cut again from the source, those already written are checked against the
+    shards' token ids and skipped. A folder whose run completed is returned as
+    it is, unless that run stopped at a smaller ``max_tokens``: a larger one
+    collects the windows after it.
 
     Args:
         model: A model from `vlenvoys.load` on the synchronous engine.
@@ -601,7 +665,9 @@ def collect_dataset(
             unknown ``dtype`` or ``positions``, a corpus too short for one
             window, an attention pattern (not a row per token), or what
             `documents` and `vlenvoys.collect` raise for their inputs.
-        FileExistsError: ``out`` holds another run's shards (a different plan).
+        FileExistsError: ``out`` holds another run's shards (a different
+            plan), more windows than ``max_tokens`` allows, or shards of
+            windows the source no longer makes (it changed).
         OSError: a shard could not be written (a full disk): the shards
             before it stay complete, and the same call continues after them.
     """
@@ -633,14 +699,14 @@ def collect_dataset(
     limit = window_limit(max_tokens, context_length)
     if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
         raise ValueError(f"batch_size must be a positive int or None, got {batch_size!r}")
-    shards = _Shards(Path(out), plan)
-    shards.open()
+    shards = open_shards(out, plan, max_tokens)
     if shards.complete:
         return Activations(out)
 
     tokenizer = model.tokenizer
     cut = windows(documents(source, field), tokenizer, context_length, bos=bos)
-    cut = itertools.islice(cut, shards.windows_done, limit)
+    shards.check_unchanged(cut)
+    cut = itertools.islice(cut, None if limit is None else limit - shards.windows_done)
     first = next(cut, None)
     if first is None:
         if shards.done:  # the last run ended after its last shard, before it said so
@@ -797,12 +863,14 @@ class Activations:
     shuffled or in order, for training.
 
     Raises:
-        FileNotFoundError: the folder has no manifest.
+        FileNotFoundError: no such folder, or one without a manifest.
     """
 
     def __init__(self, folder: str | os.PathLike) -> None:
         self.folder = Path(folder)
         manifest = self.folder / MANIFEST
+        if not self.folder.is_dir():
+            raise FileNotFoundError(f"{self.folder} is not a folder" if self.folder.exists() else f"{self.folder} does not exist")
         if not manifest.exists():
             raise FileNotFoundError(f"{self.folder} holds no {MANIFEST}: it is not a folder collect_dataset wrote")
         self.manifest: dict = json.loads(manifest.read_text())
@@ -830,9 +898,16 @@ class Activations:
         return [self.folder / shard["file"] for shard in self.manifest["shards"]]
 
     def shard(self, index: int) -> dict[str, torch.Tensor]:
-        """Shard ``index``'s tensors (each key of `keys`, ``token_ids``, ``window``, ``position``), loaded into memory."""
+        """Shard ``index``'s tensors (each key of `keys`, ``token_ids``, ``window``, ``position``), loaded into memory.
+
+        Raises:
+            IndexError: no shard ``index`` (negative ones count from the end).
+        """
         from safetensors.torch import load_file
 
+        count = len(self.shards)
+        if not isinstance(index, int) or not -count <= index < count:
+            raise IndexError(f"shard {index!r}: this dataset has {count} shards (0 to {count - 1})")
         return load_file(str(self.shards[index]))
 
     def batches(
@@ -853,9 +928,14 @@ class Activations:
         in a random order and the rows of ``buffer_shards`` shards at a time
         in a random order (memory: that many shards), seeded by ``seed``.
         The last batch is shorter unless ``drop_last``.
+
+        Raises:
+            ValueError: ``batch_size`` or ``buffer_shards`` not a positive int.
+            KeyError: a key the dataset does not hold.
         """
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        for label, number in (("batch_size", batch_size), ("buffer_shards", buffer_shards)):
+            if not isinstance(number, int) or isinstance(number, bool) or number < 1:
+                raise ValueError(f"{label} must be a positive int, got {number!r}")
         keys = list(keys) if keys is not None else self.keys
         unknown = [key for key in keys if key not in self.keys and key not in ROW_KEYS]
         if unknown:

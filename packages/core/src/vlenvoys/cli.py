@@ -273,9 +273,7 @@ def _collect_prompts(prompts: Path, model: str, named: str, value: str, chosen: 
 def _collect_windows(
     source: Path, model: str, values: list[str], chosen: list[int], out: Path, batch: int | None, context_length: int, **options
 ) -> None:
-    """Windows mode: every check that needs no engine (the plan, the folder, the source's first window) first."""
-    import itertools
-
+    """Windows mode: every check that needs no engine (the plan, the folder, the source's windows) first."""
     from rich.console import Console
     from transformers import AutoConfig, AutoTokenizer
 
@@ -287,16 +285,15 @@ def _collect_windows(
         raise ValueError(f"--context-length {context_length} is longer than the model serves: at most {longest - 1} ({longest} positions)")
     max_tokens, bos, field = options.pop("max_tokens"), options["bos"], options["field"]
     plan = activations.make_plan(model, values, chosen, context_length=context_length, source=source, **options)
-    activations.window_limit(max_tokens, context_length)
-    shards = activations._Shards(out, plan)
-    shards.open()
+    shards = activations.open_shards(out, plan, max_tokens)
     console = Console()
     if shards.complete:
         console.print(f"{out} already holds this collection, complete: {activations.Activations(out)}")
         return
     tokenizer = AutoTokenizer.from_pretrained(model)
     cut = activations.windows(activations.documents(source, field), tokenizer, context_length, bos=bos)
-    if next(itertools.islice(cut, shards.windows_done, None), None) is None and not shards.done:
+    shards.check_unchanged(cut)
+    if next(cut, None) is None and not shards.done:
         raise ValueError(f"{source} holds fewer tokens than one window of {context_length}")
     if shards.done:
         console.print(f"continuing after the {len(shards.done)} complete shards in {out}")
