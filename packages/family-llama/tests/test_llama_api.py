@@ -226,7 +226,8 @@ def test_an_out_of_order_read_says_the_order(subject):
     from nnsight.intervention.interleaver import OutOfOrderError
 
     model = subject.model
-    with pytest.raises(OutOfOrderError, match="in the order the model computes them"):
+    said = r"A value of block 1 \(read at the input of model\.model\.layers\.1\.self_attn\.attn\) was requested after the model had run past it\.\n"
+    with pytest.raises(OutOfOrderError, match=said + "Read and write values in the order the model computes them"):
         with model.trace(subject.prompts[1], temperature=0.0):
             model.layers[2].layer_output.save()
             model.layers[1].self_attn.attention_probabilities.save()

@@ -1129,10 +1129,7 @@ def test_router_logits_ban_experts_with_minus_inf(subject):
         return banned
 
     def edit(model):
-        logits = model.layers[1].mlp.mlp_router_logits
-        banned = logits.scatter(-1, logits.argmax(-1, keepdim=True), -torch.inf)
-        banned[:, :, logits[0, -1].argmax()] = -torch.inf
-        model.layers[1].mlp.mlp_router_logits = banned
+        model.layers[1].mlp.mlp_router_logits = ban(model.layers[1].mlp.mlp_router_logits)
 
     baseline, later_baseline = logits_of(subject.model, prompt), logits_of(subject.model, later)
     want = subject.edited(prompt, router_edits={1: ban})

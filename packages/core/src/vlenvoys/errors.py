@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import re
 
 __all__ = ["DECODE_STEP", "FUSED_ROUTING", "GATED", "NOT_ROUTED", "PARALLEL", "ROUTED", "InvalidWrite", "ReadOnly", "SkipRefused", "UnknownArchitecture", "Unavailable"]
 
@@ -89,7 +90,7 @@ def reraise(error: RuntimeError) -> None:
     if name == "OutOfOrderError":
         from nnsight.intervention.interleaver import OutOfOrderError
 
-        raise OutOfOrderError(f"{message}\n{FORWARD_ORDER}") from error
+        raise OutOfOrderError(f"{_out_of_order(message)}\n{FORWARD_ORDER}") from error
     # A built-in exception raised in the block (ValueError, NameError, ...) comes
     # back as its own type too, so `except ValueError` works around a trace.
     builtin = getattr(builtins, name, None)
@@ -99,6 +100,17 @@ def reraise(error: RuntimeError) -> None:
         except Exception:
             return
         raise rebuilt from error
+
+
+def _out_of_order(message: str) -> str:
+    """nnsight's out-of-order message in blocks: it names only the hook (``'model.model.layers.1.self_attn.attn.input.i0'``)."""
+    found = re.match(r"'([\w.]+?)\.(input|output)(?:\.i\d+)?' was requested", message)
+    if found is None:
+        return message
+    path, side = found.groups()
+    block = re.search(r"\.layers\.(\d+)(?:\.|$)", path)
+    owner = f"A value of block {block.group(1)}" if block else "A value"
+    return f"{owner} (read at the {side} of {path}) was requested after the model had run past it."
 
 
 #: What an in-place edit with a tensor on another device is told (torch refuses the operation).

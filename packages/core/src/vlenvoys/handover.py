@@ -91,9 +91,9 @@ def keep_bytes() -> int:
     return min(8 << 30, room.f_blocks * room.f_frsize // 4)
 
 
-def row_bytes(shape: list[int], dtype: str) -> int:
-    """Bytes of one row of ``shape`` (the row's own shape) in the dtype named ``dtype`` (``"bfloat16"``)."""
-    return torch.Size(shape).numel() * getattr(torch, dtype).itemsize
+def row_bytes(shape: Sequence[int], dtype: str | torch.dtype) -> int:
+    """Bytes of one row of ``shape`` (the row's own shape) in ``dtype`` (or the dtype it names: ``"bfloat16"``)."""
+    return torch.Size(shape).numel() * (getattr(torch, dtype) if isinstance(dtype, str) else dtype).itemsize
 
 
 class _Chunk:
@@ -439,7 +439,7 @@ def received(handed: dict[str, Any], maps: dict[str, torch.Tensor] | None = None
     maps = {} if maps is None else maps
     out: dict[str, list[torch.Tensor]] = {}
     for key, shape, dtype, inline, requests in _per_value(handed):
-        each = torch.Size(shape).numel() * dtype.itemsize
+        each = row_bytes(shape, dtype)
         out[key] = []
         for where in requests:
             parts = []
@@ -505,7 +505,7 @@ class Rows:
 
     @property
     def row_bytes(self) -> int:
-        return torch.Size(self.shape).numel() * self.dtype.itemsize
+        return row_bytes(self.shape, self.dtype)
 
     def tensor(self) -> torch.Tensor:
         """The rows, read now into a new ``[count, *shape]`` tensor."""

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import errors
-from .envoys import StandardEnvoy
+from .envoys import StandardEnvoy, unavailable_reason
 from .family import Architecture
 from .values import Derived, Located
 
@@ -96,9 +96,8 @@ def values_of(cls: type) -> list[tuple[str, Located]]:
 def _rows(kind: str, cls: type[StandardEnvoy], envoy: Any = None) -> list[Row]:
     """``cls``'s rows; with ``envoy`` (a loaded model's), its loaded modules' reasons too (`StandardEnvoy.unavailable_here`)."""
     rows = []
-    here = getattr(envoy, "unavailable_here", None) if isinstance(envoy, StandardEnvoy) else None
     for name, value in values_of(cls):
-        reason = here(name) if here is not None else cls.unavailable(name)
+        reason = unavailable_reason(envoy, name) if isinstance(envoy, StandardEnvoy) else cls.unavailable(name)
         note = reason or ("prefill only; read-only" if isinstance(value, Derived) else "")
         rows.append(Row(kind, name, value.layout, reason is None, note))
     return rows
