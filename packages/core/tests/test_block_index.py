@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+import vlenvoys
 from vlenvoys.envoys import block_index
 
 
@@ -14,7 +15,7 @@ def test_negative_indices_count_from_the_end():
 @pytest.mark.parametrize(
     ("layer", "error", "message"),
     [
-        (3, IndexError, "^block 3 does not exist: the model has blocks 0 to 2$"),
+        (3, vlenvoys.NoSuchBlock, "^block 3 does not exist: the model has blocks 0 to 2$"),
         (-4, IndexError, "^block -4 does not exist: the model has blocks 0 to 2$"),
         (True, TypeError, "^block True is a bool; a block is an int$"),
         ("1", TypeError, "^block '1' is a str; a block is an int$"),
@@ -26,6 +27,7 @@ def test_a_missing_or_non_int_block_is_refused(layer, error, message):
         block_index(layer, 3)
 
 
-def test_the_caller_chooses_the_error_and_the_name():
-    with pytest.raises(ValueError, match="^layer 5 does not exist: the model has blocks 0 to 2$"):
-        block_index(5, 3, error=ValueError, noun="layer")
+def test_a_missing_block_is_an_index_error_and_a_value_error_under_the_callers_name():
+    for caught in (IndexError, ValueError, vlenvoys.NoSuchBlock):
+        with pytest.raises(caught, match="^layer 5 does not exist: the model has blocks 0 to 2$"):
+            block_index(5, 3, noun="layer")

@@ -52,7 +52,7 @@ def check_layers(model: str, layers: list[int]) -> list[int]:
     from vlenvoys.envoys import block_index
 
     count = AutoConfig.from_pretrained(model).num_hidden_layers
-    return [block_index(layer, count, error=ValueError, noun="layer") for layer in layers]
+    return [block_index(layer, count, noun="layer") for layer in layers]
 
 
 def check_output(path: Path) -> None:

@@ -103,8 +103,8 @@ def collect(
             nor a list of int token ids, ``layers`` are not ints,
             ``batch_size`` is neither None nor an int, or ``progress`` is not callable.
         ValueError: an empty prompt, an unknown value name, a block that does
-            not exist, ``batch_size`` below 1, or a prompt vLLM refuses (longer
-            than the engine's ``max_model_len``), named by its index.
+            not exist (`NoSuchBlock`, an IndexError too), ``batch_size`` below 1, or
+            a prompt vLLM refuses (longer than the engine's ``max_model_len``), named by its index.
         Unavailable: a value this model cannot serve (``vlenvoys.support``).
         NotImplementedError: the engine runs in ``mode="async"``.
         RuntimeError: the engine has been shut down, or a request came back
@@ -556,7 +556,7 @@ def _reads(model: Any, values: list[str], layers: int | Sequence[int]) -> list[R
         raise TypeError(f"layers must be a block index or a list of them, got {layers!r}")
     if not indices:
         raise ValueError("no layers to collect")
-    blocks = sorted({block_index(layer, count, error=ValueError, noun="layer") for layer in indices})
+    blocks = sorted({block_index(layer, count, noun="layer") for layer in indices})
     kinds = {"layer": "layer", "self_attn": "attention", "mlp": "mlp"}
     served = support(model)
     for value in values:

@@ -319,7 +319,7 @@ class StandardizedVLLM(VLLM):
         a batch of one, so another prompt is steered inside its own invoke.
 
         Raises:
-            IndexError: a block that does not exist (checked before any block is steered).
+            NoSuchBlock: a block that does not exist (checked before any block is steered; an IndexError).
             ValueError: both ``positions`` and ``token_positions``, a
                 ``batch_index`` other than None or 0, or a vector whose last axis
                 is not ``hidden_size``.

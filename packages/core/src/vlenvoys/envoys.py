@@ -15,7 +15,7 @@ from nnsight.intervention.envoy import Envoy
 from nnsight.intervention.interleaver import Mediator
 
 from .attention import on_decode_step, scores
-from .errors import FUSED_ROUTING, GATED, NOT_ROUTED, PARALLEL, ROUTED, InvalidWrite, SkipRefused
+from .errors import FUSED_ROUTING, GATED, NOT_ROUTED, PARALLEL, ROUTED, InvalidWrite, NoSuchBlock, SkipRefused
 from .routing import Chosen, routes_of
 from .routing import Routes as RoutesModule
 from .values import Derived, Experts, Flat, Heads, Neurons, Pattern, Residual, Routes, Slot, summed, summed_output
@@ -42,13 +42,12 @@ __all__ = [
 ]
 
 
-def block_index(layer: Any, count: int, *, error: type[Exception] = IndexError, noun: str = "block") -> int:
+def block_index(layer: Any, count: int, *, noun: str = "block") -> int:
     """``layer`` as a non-negative block index; a negative one counts from the end, as in Python.
 
     Args:
         layer: The index given: an int (not a bool).
         count: How many blocks the model has.
-        error: The exception to raise for an index out of range.
         noun: What the message calls the index (``"block"``, ``"layer"``).
 
     Returns:
@@ -56,12 +55,13 @@ def block_index(layer: Any, count: int, *, error: type[Exception] = IndexError, 
 
     Raises:
         TypeError: ``layer`` is not an int, or is a bool.
-        error: ``layer`` is out of range, as "block 5 does not exist: the model has blocks 0 to 2".
+        NoSuchBlock: ``layer`` is out of range, as "block 5 does not exist: the model has blocks 0 to 2"
+            (an IndexError and a ValueError).
     """
     if isinstance(layer, bool) or not isinstance(layer, int):
         raise TypeError(f"{noun} {layer!r} is a {type(layer).__name__}; a {noun} is an int")
     if not -count <= layer < count:
-        raise error(f"{noun} {layer} does not exist: the model has blocks 0 to {count - 1}")
+        raise NoSuchBlock(f"{noun} {layer} does not exist: the model has blocks 0 to {count - 1}")
     return layer % count
 
 
@@ -69,7 +69,7 @@ class Blocks(Envoy):
     """The model's blocks, ``model.layers``: ``model.layers[i]`` is block ``i`` (negative from the end).
 
     Raises:
-        IndexError: a block that does not exist, with the valid range (see `block_index`).
+        NoSuchBlock: a block that does not exist, with the valid range (see `block_index`; an IndexError).
         TypeError: a bool index.
     """
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import builtins
 import re
 
-__all__ = ["DECODE_STEP", "FUSED_ROUTING", "GATED", "NOT_ROUTED", "PARALLEL", "ROUTED", "InvalidWrite", "ReadOnly", "SkipRefused", "UnknownArchitecture", "Unavailable"]
+__all__ = ["DECODE_STEP", "FUSED_ROUTING", "GATED", "NOT_ROUTED", "PARALLEL", "ROUTED", "InvalidWrite", "NoSuchBlock", "ReadOnly", "SkipRefused", "UnknownArchitecture", "Unavailable"]
 
 #: Scores and patterns are recomputed from one step's queries and keys; on a decode step the
 #: earlier keys are in vLLM's KV cache, which only its kernel reads.
@@ -81,7 +81,7 @@ def reraise(error: RuntimeError) -> None:
     message = rest.split("\n\nIntervention traceback:")[0]
     if name == "Unavailable":
         raise Unavailable.from_message(message) from error
-    simple = {cls.__name__: cls for cls in (InvalidWrite, ReadOnly, SkipRefused)}
+    simple = {cls.__name__: cls for cls in (InvalidWrite, NoSuchBlock, ReadOnly, SkipRefused)}
     if name in simple:
         raise simple[name](message) from error
     if "Expected all tensors to be on the same device" in text:  # torch's words, however nnsight wraps them
@@ -149,6 +149,14 @@ class SkipRefused(RuntimeError):
     vLLM runs every request in flight through a block as one batch; a skipped
     block would have to answer for all of them, and the requests that did not
     ask for it would get wrong values or end the engine.
+    """
+
+
+class NoSuchBlock(IndexError, ValueError):
+    """A block index outside the model's blocks (``model.layers[5]`` of a 3-block model, ``steer``, ``collect``).
+
+    An IndexError, as Python's sequences raise, and a ValueError, as every
+    other bad argument of `vlenvoys.collect` and the CLI: either ``except`` catches it.
     """
 
 

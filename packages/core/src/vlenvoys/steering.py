@@ -63,7 +63,7 @@ class Steering:
         """The request's steering as ``extra_args`` carry it: blocks, the scaled vector, positions.
 
         Raises:
-            IndexError: a block that does not exist.
+            NoSuchBlock: a block that does not exist (an IndexError).
             ValueError: a vector of another shape, a scaled vector with
                 non-finite entries or entries beyond the square root of the
                 dtype's largest value, or negative or stepped positions.
