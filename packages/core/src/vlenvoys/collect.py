@@ -422,8 +422,8 @@ def _run(
             if following is None:
                 drawn_all = True
                 return
-            prompt = salted(prompt if isinstance(prompt, str) else TokensPrompt(prompt_token_ids=prompt), "collect")
             request_id = f"vlenvoys-collect.{run}.{following}"
+            prompt = salted(prompt if isinstance(prompt, str) else TokensPrompt(prompt_token_ids=prompt), "collect", request_id)
             try:
                 engine.add_request(request_id, prompt, params)
             except VLLMClientError as error:

@@ -528,8 +528,11 @@ def _checked_samples(model: Any, value: Any, raw: torch.Tensor) -> torch.Tensor:
     return value.to(raw.dtype)
 
 
-def salted(prompt: Any, kind: str) -> Any:
+def salted(prompt: Any, kind: str, unique: str | None = None) -> Any:
     """``prompt`` (a string or a vLLM prompt dict) with a cache salt of its own: its key/value cache is its alone.
+
+    ``unique``: a name no other request carries (a run's random id and the
+    prompt's index), which spares a random UUID per request; default: a new UUID.
 
     With prefix caching on, a traced or collected request never reads a cached
     prefix (it would skip the prefix's forward, and its values would be short)
@@ -544,7 +547,7 @@ def salted(prompt: Any, kind: str) -> Any:
         prompt = {"prompt": prompt}
     elif not isinstance(prompt, dict) or prompt.get("cache_salt") is not None:
         return prompt
-    return {**prompt, "cache_salt": f"vlenvoys-{kind}-{uuid.uuid4().hex}"}
+    return {**prompt, "cache_salt": f"vlenvoys-{kind}-{unique or uuid.uuid4().hex}"}
 
 
 def on_transformers_backend(envoy: Any) -> bool:
