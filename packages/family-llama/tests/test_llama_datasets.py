@@ -6,6 +6,7 @@ import errno
 import json
 from pathlib import Path
 
+import numpy
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -174,11 +175,13 @@ def test_an_interrupted_run_continues_after_its_last_complete_shard(subject, ful
     partial = Activations(out)
     assert not partial.complete and len(partial.shards) == 1 and not list(out.glob("*.tmp"))
     before = {path.name: path.stat().st_mtime_ns for path in out.glob("shard-*.safetensors")}
+    (out / ".tmpa1B2c3").write_bytes(b"what safetensors' save_file leaves of a shard when the process is killed")
     monkeypatch.setattr(activations._Assembler, "deliver", deliver)
     resumed = collect_dataset(subject.model, source, out, VALUES, [0, -1], **arguments)
     assert resumed.complete
     assert {name: (out / name).stat().st_mtime_ns for name in before} == before  # not written again
     assert_same_dataset(out, folder, subject)  # the same shards as the run never interrupted
+    assert sorted(path.name for path in out.iterdir()) == ["manifest.json", *(shard["file"] for shard in resumed.manifest["shards"])]
     assert collect_dataset(subject.model, source, out, VALUES, [0, -1], **arguments).complete  # done: returned as it is
 
 
@@ -196,15 +199,18 @@ def test_a_larger_max_tokens_continues_a_run_and_a_changed_source_is_refused(sub
     assert file_bytes(out) == written  # the same limit: returned as it is
     more = collect_dataset(subject.model, source, out, VALUES, [0, -1], max_tokens=6 * CONTEXT, **arguments)
     assert more.complete and len(more) == 6 * CONTEXT
-    assert all(file_bytes(out)[name] == data for name, data in written.items())  # the shards before are kept, not written again
+    assert file_bytes(out)["shard-00000.safetensors"] == written["shard-00000.safetensors"]  # a whole shard is kept
+    # The shorter last shard (window 3) is collected again with windows 4 and 5: shards of 3 windows, as one run writes.
+    assert [shard["windows"] for shard in more.manifest["shards"]] == [[0, 3], [3, 6]]
     everything = collect_dataset(subject.model, source, out, VALUES, [0, -1], **arguments)  # no limit: the rest of the source
     assert len(everything) == len(cut) * CONTEXT
+    assert everything.manifest["shards"] == Activations(folder).manifest["shards"]
     assert_same_dataset(out, folder, subject)
 
     # Shards of a source that was edited since, or of another list of texts, are not continued.
     edited = tmp_path / "edited.jsonl"
     edited.write_text(Path(source).read_text())
-    collect_dataset(subject.model, edited, tmp_path / "e", "layer_output", [0], max_tokens=2 * CONTEXT, **arguments)
+    collect_dataset(subject.model, edited, tmp_path / "e", "layer_output", [0], max_tokens=3 * CONTEXT, **arguments)  # one whole shard
     lines = edited.read_text().splitlines()
     edited.write_text("\n".join([json.dumps({"text": "An edited first document."}), *lines[1:]]) + "\n")
     with pytest.raises(FileExistsError, match=r"the source changed since these shards were written \(window 0, in shard-00000"):
@@ -289,6 +295,24 @@ def test_bad_inputs_are_refused_and_the_engine_goes_on(subject, full_run, tmp_pa
     assert torch.equal(Activations(folder).shard(-1)["window"], rows(folder)["window"][-len(Activations(folder).shard(-1)["window"]) :])
     with pytest.raises(ValueError, match="buffer_shards must be a positive int, got 0"):
         next(Activations(folder).batches(4, shuffle=True, buffer_shards=0))
+    assert torch.equal(Activations(folder).shard(numpy.int64(1))["window"], Activations(folder).shard(torch.tensor(1))["window"])
+    for index in (True, "0", 1.0):
+        with pytest.raises(TypeError, match="a shard index is an int"):
+            Activations(folder).shard(index)
+    assert next(Activations(folder).batches(4, keys="layer_output.0")).keys() == {"layer_output.0", "token_ids"}
+    with pytest.raises(TypeError, match="seed must be an int, got 'x'"):
+        next(Activations(folder).batches(4, shuffle=True, seed="x"))
+    with pytest.raises(TypeError, match="max_tokens must be an int or None, got 1.5"):
+        collect_dataset(model, source, tmp_path / "m", "layer_output", [0], context_length=CONTEXT, max_tokens=1.5, progress=False)
+    with pytest.raises(TypeError, match="values must be a name or a list of names, got 5"):
+        collect_dataset(model, source, tmp_path / "n", 5, [0], context_length=CONTEXT, progress=False)
+    with pytest.raises(MemoryError, match="pass a smaller shard_tokens"):
+        collect_dataset(model, source, tmp_path / "o", "layer_output", [0], context_length=CONTEXT, shard_tokens=2**60, progress=False)
+    assert engine_is_idle(model) and not any((tmp_path / name).exists() for name in "mno")
+    # A shard_tokens beyond the run's max_tokens takes the memory of the windows the run collects.
+    capped = collect_dataset(model, source, tmp_path / "q", "layer_output", [0], context_length=CONTEXT, shard_tokens=2**60,
+                             max_tokens=2 * CONTEXT, dtype="float32", progress=False)
+    assert torch.equal(rows(capped.folder)["layer_output.0"], rows(folder)["layer_output.0"][: 2 * CONTEXT])
     with pytest.raises(ValueError, match="is a folder of activation shards .collect_dataset's output., not a corpus"):
         collect_dataset(model, folder, tmp_path / "j", "layer_output", [0], context_length=CONTEXT, progress=False)
     (tmp_path / "plain-folder").mkdir()
@@ -348,6 +372,9 @@ def test_collect_command_writes_shards(tmp_path):
     assert other.exit_code == 1 and "positions: 'no_bos' -> 'last'" in " ".join(other.output.split())
     whole = CliRunner().invoke(app, ["collect", source, str(model), "--context-length", "256", "--out", str(tmp_path / "whole")])
     assert whole.exit_code == 1 and "at most 255 (256 positions)" in " ".join(whole.output.split())  # before any engine
+    pattern = CliRunner().invoke(app, command[:5] + ["--value", "attention_probabilities", "--out", str(tmp_path / "pattern")])
+    assert pattern.exit_code == 1 and "a pattern is [1, heads, tokens, tokens] per window" in " ".join(pattern.output.split())
+    assert "starting vLLM" not in pattern.output  # refused before any engine
 
 
 @pytest.mark.parametrize("subject", ["MixtralForCausalLM"], indirect=True)

@@ -41,6 +41,7 @@ import contextlib
 import errno
 import itertools
 import json
+import operator
 import os
 import queue
 import random
@@ -265,8 +266,11 @@ class _Shards:
             raise FileExistsError(f"{self.folder} is a file; collect_dataset writes a folder of shards")
         if not self.folder.exists():
             return  # made with the first shard: a run refused before it leaves nothing behind
-        for stale in self.folder.glob("*.tmp"):
-            stale.unlink()  # a shard or manifest a killed run left half-written
+        # A shard or manifest a killed run left half-written: ours end in .tmp; safetensors' save_file writes
+        # through a temporary file of its own first (Rust's tempfile: ".tmp" and six characters).
+        for stale in [*self.folder.glob("*.tmp"), *self.folder.glob(".tmp??????")]:
+            if stale.is_file():
+                stale.unlink()
         if self.manifest.exists():
             manifest = json.loads(self.manifest.read_text())
             differences = self.plan.differences(manifest.get("plan", {}))
@@ -291,6 +295,16 @@ class _Shards:
         """Whether a complete run ended at its own ``max_tokens`` rather than at the source's end, below this run's limit."""
         done = self.windows_done
         return self.limit_before is not None and done == self.limit_before and (self.limit is None or self.limit > done)
+
+    def drop_short_last(self) -> None:
+        """Forget a last shard shorter than the plan's (a run's end), to collect its windows again with those after.
+
+        The folder then has the shards a run to the larger limit would have written.
+        """
+        if self.done and self.done[-1]["windows"][1] - self.done[-1]["windows"][0] < self.plan.shard_windows:
+            last = self.done.pop()
+            self._write_manifest(self.done)  # the manifest stops listing it before the file goes
+            (self.folder / last["file"]).unlink(missing_ok=True)
 
     def check_unchanged(self, cut: Iterator[list[int]]) -> None:
         """Draw the windows the shards already hold from ``cut``, each checked against the tokens the shards recorded.
@@ -381,6 +395,7 @@ def open_shards(out: str | os.PathLike, plan: Plan, max_tokens: int | None) -> _
         )
     if shards.complete and shards.stopped_at_limit():
         shards.complete = False
+        shards.drop_short_last()
     return shards
 
 
@@ -467,7 +482,14 @@ class _Writer(InThread):
             try:
                 free = self.free.get_nowait()
             except queue.Empty:
-                return {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in shapes.items()}
+                try:
+                    return {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in shapes.items()}
+                except RuntimeError as error:  # torch's allocator: "[enforce fail at alloc_cpu.cpp] ... can't allocate"
+                    size = sum(torch.Size(shape).numel() * dtype.itemsize for shape, dtype in shapes.values())
+                    raise MemoryError(
+                        f"a shard of {self.shards.plan.shard_windows} windows takes {size / 2**30:.1f} GiB of memory, "
+                        f"which this machine cannot give ({error}); pass a smaller shard_tokens"
+                    ) from None
             if {key: (tuple(tensor.shape), tensor.dtype) for key, tensor in free.items()} == shapes:
                 return free
 
@@ -484,8 +506,8 @@ class _Assembler:
     positions are built as Python lists.
     """
 
-    def __init__(self, plan: Plan, first_window: int, writer: _Writer, begin: int | None) -> None:
-        self.plan, self.writer, self.begin = plan, writer, begin
+    def __init__(self, plan: Plan, first_window: int, writer: _Writer, begin: int | None, limit: int | None = None) -> None:
+        self.plan, self.writer, self.begin, self.limit = plan, writer, begin, limit
         self.dtype = DTYPES[plan.dtype]
         self.start = first_window  # the first window of the shard being assembled
         self.first = first_window  # the run's first window: the stream counts its prompts from here
@@ -521,7 +543,9 @@ class _Assembler:
             _, runs, row = self.placed[window]
             shard = window - (window - self.first) % self.plan.shard_windows
             if shard not in self.buffers:
-                most = self.plan.shard_windows * self.plan.context_length  # the rows a shard keeps at most
+                # The rows a shard keeps at most: its windows, no more than the run's limit leaves.
+                count = self.plan.shard_windows if self.limit is None else min(self.plan.shard_windows, self.limit - shard)
+                most = count * self.plan.context_length
                 # Values of an integer dtype (a mixture of experts' chosen experts) stay in it: bfloat16 holds
                 # integers exactly only up to 256.
                 shapes = {
@@ -636,8 +660,10 @@ def collect_dataset(
     process) and it continues after the last complete shard: the windows are
     cut again from the source, those already written are checked against the
     shards' token ids and skipped. A folder whose run completed is returned as
-    it is, unless that run stopped at a smaller ``max_tokens``: a larger one
-    collects the windows after it.
+    it is, without reading the source again, unless that run stopped at a
+    smaller ``max_tokens``: a larger one collects the windows after it (its
+    last, shorter shard again with them, so the shards are those one run to
+    the larger limit writes).
 
     Args:
         model: A model from `vlenvoys.load` on the synchronous engine.
@@ -664,7 +690,12 @@ def collect_dataset(
         ValueError: ``context_length`` longer than the engine serves, an
             unknown ``dtype`` or ``positions``, a corpus too short for one
             window, an attention pattern (not a row per token), or what
-            `documents` and `vlenvoys.collect` raise for their inputs.
+            `documents` and `vlenvoys.collect` raise for their inputs
+            (`NoSuchBlock` for a block that does not exist).
+        TypeError: ``values`` not a name or a list of names, ``layers``,
+            ``context_length``, ``shard_tokens`` or ``max_tokens`` not ints.
+        Unavailable: a value this model cannot serve (``vlenvoys.support``).
+        MemoryError: one shard's values do not fit in memory (``shard_tokens`` too large).
         FileExistsError: ``out`` holds another run's shards (a different
             plan), more windows than ``max_tokens`` allows, or shards of
             windows the source no longer makes (it changed).
@@ -681,7 +712,7 @@ def collect_dataset(
             f"context_length {context_length} is longer than this engine serves: at most {longest - 1} "
             f"(max_model_len {longest}, less the one token each window's request generates)"
         )
-    names = [values] if isinstance(values, str) else list(values)
+    names = _names(values, "values")
     reads = _reads(model, names, layers)
     _check_rows_per_token(model, names)
     plan = make_plan(
@@ -719,7 +750,7 @@ def collect_dataset(
     if total is None and isinstance(source, (str, os.PathLike)) and Path(source).is_file():
         total = _count_windows(source, field, tokenizer, context_length, bos, start) * context_length
     writer = _Writer(shards)
-    assembler = _Assembler(plan, start, writer, _begin_token(tokenizer))
+    assembler = _Assembler(plan, start, writer, _begin_token(tokenizer), limit)
     bar = _progress_bar(progress, total)
     in_flight = batch_size or _scheduled_at_once(model)
     # Three threads beside the client's, which only drives the engine: the corpus is tokenized
@@ -748,6 +779,15 @@ def collect_dataset(
             bar.close()
     shards.finish()
     return Activations(out)
+
+
+def _names(given: Any, label: str) -> list[str]:
+    """A name or a sequence of names, as a list; TypeError naming ``label`` otherwise."""
+    if isinstance(given, str):
+        return [given]
+    if isinstance(given, Sequence) and all(isinstance(name, str) for name in given):
+        return list(given)
+    raise TypeError(f"{label} must be a name or a list of names, got {given!r}")
 
 
 def _check_rows_per_token(model: Any, names: list[str]) -> None:
@@ -836,6 +876,8 @@ def window_limit(max_tokens: int | None, context_length: int) -> int | None:
     """How many windows ``max_tokens`` allows (None: all of them)."""
     if max_tokens is None:
         return None
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
+        raise TypeError(f"max_tokens must be an int or None, got {max_tokens!r}")
     if max_tokens < context_length:
         raise ValueError(f"max_tokens {max_tokens} is less than one window of {context_length} tokens")
     return max_tokens // context_length
@@ -902,12 +944,19 @@ class Activations:
 
         Raises:
             IndexError: no shard ``index`` (negative ones count from the end).
+            TypeError: ``index`` is not an integer (a bool neither).
         """
         from safetensors.torch import load_file
 
         count = len(self.shards)
-        if not isinstance(index, int) or not -count <= index < count:
-            raise IndexError(f"shard {index!r}: this dataset has {count} shards (0 to {count - 1})")
+        try:
+            if isinstance(index, bool):
+                raise TypeError
+            index = operator.index(index)  # a numpy or 0-d torch integer too
+        except TypeError:
+            raise TypeError(f"a shard index is an int, got {index!r}") from None
+        if not -count <= index < count:
+            raise IndexError(f"shard {index}: this dataset has {count} shards (0 to {count - 1})")
         return load_file(str(self.shards[index]))
 
     def batches(
@@ -931,12 +980,15 @@ class Activations:
 
         Raises:
             ValueError: ``batch_size`` or ``buffer_shards`` not a positive int.
+            TypeError: ``keys`` not a name or a list of names, ``seed`` not an int.
             KeyError: a key the dataset does not hold.
         """
         for label, number in (("batch_size", batch_size), ("buffer_shards", buffer_shards)):
             if not isinstance(number, int) or isinstance(number, bool) or number < 1:
                 raise ValueError(f"{label} must be a positive int, got {number!r}")
-        keys = list(keys) if keys is not None else self.keys
+        keys = _names(keys, "keys") if keys is not None else self.keys
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise TypeError(f"seed must be an int, got {seed!r}")
         unknown = [key for key in keys if key not in self.keys and key not in ROW_KEYS]
         if unknown:
             raise KeyError(f"{unknown} not in this dataset; it holds {self.keys} and each row's {', '.join(ROW_KEYS)}")

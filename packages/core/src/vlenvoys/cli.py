@@ -284,6 +284,7 @@ def _collect_windows(
     if context_length >= longest:  # each window's request generates one token, which needs a position too
         raise ValueError(f"--context-length {context_length} is longer than the model serves: at most {longest - 1} ({longest} positions)")
     max_tokens, bos, field = options.pop("max_tokens"), options["bos"], options["field"]
+    activations._check_rows_per_token(model, values)
     plan = activations.make_plan(model, values, chosen, context_length=context_length, source=source, **options)
     shards = activations.open_shards(out, plan, max_tokens)
     console = Console()
