@@ -55,7 +55,7 @@ from typing import Any
 import numpy
 import torch
 
-from .handover import InThread, Rows, read_rows
+from .handover import InThread, Rows, read_rows, row_bytes
 
 __all__ = ["POSITIONS", "Activations", "Plan", "collect_dataset", "documents", "windows"]
 
@@ -485,7 +485,7 @@ class _Writer(InThread):
                 try:
                     return {key: torch.empty(shape, dtype=dtype) for key, (shape, dtype) in shapes.items()}
                 except RuntimeError as error:  # torch's allocator: "[enforce fail at alloc_cpu.cpp] ... can't allocate"
-                    size = sum(torch.Size(shape).numel() * dtype.itemsize for shape, dtype in shapes.values())
+                    size = sum(row_bytes(shape, dtype) for shape, dtype in shapes.values())
                     raise MemoryError(
                         f"a shard of {self.shards.plan.shard_windows} windows takes {size / 2**30:.1f} GiB of memory, "
                         f"which this machine cannot give ({error}); pass a smaller shard_tokens"
@@ -727,10 +727,10 @@ def collect_dataset(
         field=field,
         shard_tokens=shard_tokens,
     )
-    limit = window_limit(max_tokens, context_length)
     if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
         raise ValueError(f"batch_size must be a positive int or None, got {batch_size!r}")
     shards = open_shards(out, plan, max_tokens)
+    limit = shards.limit
     if shards.complete:
         return Activations(out)
 
