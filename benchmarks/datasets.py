@@ -9,7 +9,12 @@ For each corpus size (tokens of windows) it measures, on one engine:
 - the bytes written;
 - the client process's CPU time per window (every thread but the memory sampling's; vLLM's engine
   core runs in a process of its own): what the client spends beside the engine, which sets the pace
-  where the engine is fast (a GPU's).
+  where the engine is fast (a GPU's);
+- the host memory the engine's worker made for rows during the run, and the seconds it took
+  (`vlenvoys.handover.Arena.stats`): the forward waits for each chunk made, and on a GPU page-locking
+  alone takes about 0.4 s a GiB. A worker keeps its chunks for the next collection, so a long run
+  pays this once; a warm-up collection of ``--warm-windows`` windows (three times the windows in
+  flight on a GPU) makes them before the timed runs, which then show the steady state.
 
 On the CPU: the built-in SmolLM2-135M (float32). Where torch sees a GPU:
 bench.py's random Llama of a 1B shape in bfloat16. Run with ``nox -s bench``
@@ -61,6 +66,11 @@ def plain_prefill(model, cut: list[list[int]], in_flight: int) -> None:
                 running.discard(output.request_id)
 
 
+def arena(model) -> dict:
+    """The engine worker's row arena (`vlenvoys.handover.Arena.stats`; the first rank's)."""
+    return model.vllm_entrypoint.llm_engine.collective_rpc("vlenvoys_arena_stats")[0]
+
+
 def corpus(tokenizer, tokens: int, context_length: int) -> tuple[list[str], list[list[int]]]:
     """Documents that make at least ``tokens`` tokens of windows, and those windows (cut as collect_dataset cuts them)."""
     documents: list[str] = []
@@ -79,6 +89,8 @@ def main() -> None:
     parser.add_argument("--tag", help="results-datasets-TAG.* (default cpu, or h200 on a GPU)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent)
     parser.add_argument("--folder", type=Path, help="where the shards go (a temporary folder, removed after each run)")
+    parser.add_argument("--warm-windows", type=int,
+                        help="windows of the warm-up collection (default: three times the windows in flight on a GPU, 8 on the CPU)")
     parser.add_argument("--tiny", action="store_true",
                         help="on the CPU, a random Llama of hidden 512 instead of SmolLM2 (about 13 times its tokens/s: 1e6 tokens in minutes)")
     args = parser.parse_args()
@@ -112,16 +124,24 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="vlenvoys-datasets-", dir=args.folder))
     rows, measured = [], []
     try:
-        texts, warm = corpus(model.tokenizer, 8 * args.context_length, args.context_length)
-        plain_prefill(model, warm, in_flight)  # warm-up of both sides: the first collection installs its hooks
+        warm_windows = args.warm_windows or (3 * in_flight if cuda else 8)
+        texts, warm = corpus(model.tokenizer, warm_windows * args.context_length, args.context_length)
+        # Warm-up of both sides: the first collection installs its hooks and makes the worker's row memory.
+        plain_prefill(model, warm, in_flight)
+        before, start = arena(model), time.perf_counter()
         collect_dataset(model, texts, scratch / "warm", "layer_output", [layer], context_length=args.context_length,
                         max_tokens=len(warm) * args.context_length, progress=False)
+        warm_seconds, warmed = time.perf_counter() - start, arena(model)
+        warm_made = ((warmed["made_bytes"] - before["made_bytes"]) / 2**20, warmed["made_seconds"] - before["made_seconds"])
+        print(f"warm-up: {len(warm)} windows in {warm_seconds:.2f} s; the worker made {warm_made[0]:,.0f} MiB of row memory "
+              f"in {warm_made[1]:.2f} s", flush=True)
         for size in sizes:
             documents, cut = corpus(model.tokenizer, size, args.context_length)
             tokens = len(cut) * args.context_length
             repeats = args.repeats if size < 100_000 else 1
             plain_seconds, ours_seconds, plain_peak, ours_peak, written = [], [], 0.0, 0.0, 0
             plain_cpu, ours_cpu = [], []  # the client process's CPU seconds (every thread; the engine runs in its own)
+            made_mib, made_seconds = 0.0, 0.0  # row memory the worker made during the timed collections
             for _ in range(repeats):
                 with PeakMemory() as peak:
                     start, cpu = time.perf_counter(), client_cpu()
@@ -131,12 +151,16 @@ def main() -> None:
                 plain_cpu[-1] -= peak.cpu  # not the memory sampling's
                 plain_peak = max(plain_peak, peak.peak)
                 folder = scratch / "acts"
+                before = arena(model)
                 with PeakMemory() as peak:
                     start, cpu = time.perf_counter(), client_cpu()
                     collect_dataset(model, documents, folder, "layer_output", [layer], context_length=args.context_length,
                                     max_tokens=tokens, progress=False)
                     ours_seconds.append(time.perf_counter() - start)
                     ours_cpu.append(client_cpu() - cpu)
+                after = arena(model)
+                made_mib += (after["made_bytes"] - before["made_bytes"]) / 2**20
+                made_seconds += after["made_seconds"] - before["made_seconds"]
                 ours_cpu[-1] -= peak.cpu
                 ours_peak = max(ours_peak, peak.peak)
                 written = sum(file.stat().st_size for file in folder.iterdir())
@@ -146,19 +170,22 @@ def main() -> None:
             measured.append({"tokens": tokens, "plain_tokens_per_s": plain_rate, "dataset_tokens_per_s": ours_rate,
                              "plain_peak_mib": plain_peak, "dataset_peak_mib": ours_peak, "bytes_written": written,
                              "plain_client_us_per_window": plain_us, "dataset_client_us_per_window": ours_us,
-                             "repeats": repeats})
+                             "worker_made_mib": made_mib, "worker_made_seconds": made_seconds, "repeats": repeats})
             rows.append((f"{tokens:,}", f"{ours_rate:,.0f}", f"{plain_rate:,.0f}", f"{ours_rate / plain_rate:.3f}",
-                         f"{ours_peak:,.0f}", f"{plain_peak:,.0f}", f"{written / 2**20:,.0f}", f"{ours_us:,.0f}", f"{plain_us:,.0f}"))
+                         f"{ours_peak:,.0f}", f"{plain_peak:,.0f}", f"{written / 2**20:,.0f}", f"{ours_us:,.0f}", f"{plain_us:,.0f}",
+                         f"{made_mib:,.0f} in {made_seconds:.2f} s"))
             print(" | ".join(rows[-1]), flush=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
         stop(model)
     headers = ("tokens", "collect_dataset tok/s", "plain prefill tok/s", "ratio", "collect_dataset peak MiB",
-               "plain prefill peak MiB", "written MiB", "collect_dataset client CPU µs/window", "plain prefill client CPU µs/window")
+               "plain prefill peak MiB", "written MiB", "collect_dataset client CPU µs/window", "plain prefill client CPU µs/window",
+               "row memory the worker made (MiB)")
     device = torch.cuda.get_device_name() if cuda else f"CPU, {os.cpu_count()} cores"
     header = (f"{device}; {described}; layer_output at block {layer}, windows of {args.context_length} tokens, "
               f"{in_flight} in flight, bfloat16 shards; peak = this process and vLLM's, proportional set size (shared pages once); "
-              f"best of the runs; vlenvoys-core {vlenvoys.__version__} at {checkout()}")
+              f"best of the runs; after a warm-up collection of {len(warm)} windows, which made {warm_made[0]:,.0f} MiB of the "
+              f"worker's row memory in {warm_made[1]:.2f} s; vlenvoys-core {vlenvoys.__version__} at {checkout()}")
     table = github_table(rows, headers)
     (args.out / f"results-datasets-{tag}.md").write_text(f"{header}\n\n{table}\n")
     (args.out / f"results-datasets-{tag}.json").write_text(json.dumps({"header": header, "rows": measured}, indent=1))

@@ -159,7 +159,7 @@ def main():
         except OSError as error:
             print(knob, error)
     write_file()
-    private, shared = mmap.MAP_PRIVATE, mmap.MAP_SHARED
+    private = mmap.MAP_PRIVATE
     populate = getattr(mmap, "MAP_POPULATE", 0x8000)
     measure("private (today)", lambda d: take_mapped(d, private))
     measure("private, no spinning thread", lambda d: take_mapped(d, private), contend=False)

@@ -154,9 +154,14 @@ def test_a_chunk_is_reused_only_once_the_client_let_go_of_it(files_only):
     gc.collect()
     fill(arena)
     arena.acknowledge("c")
+    made = arena.stats()
     third = one_take(arena, torch.full((4, 8), 3.0))
     assert len(mine(name)) == 2, "the first chunk, let go, was reused"
     assert torch.equal(second, torch.full((4, 8), 2.0)) and torch.equal(third, torch.full((4, 8), 3.0))
+    stats = arena.stats()
+    assert stats["chunks"] == 2 and stats["bytes"] == sum(os.path.getsize(f"{handover.SHARED_MEMORY}/{f}") for f in mine(name))
+    assert stats["made_bytes"] == made["made_bytes"] == stats["bytes"], "a reused chunk is not counted as made"
+    assert stats["made_seconds"] == made["made_seconds"] > 0
     arena.close()
     assert mine(name) == []
 

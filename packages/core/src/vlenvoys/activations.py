@@ -852,7 +852,7 @@ def make_plan(
     if positions not in POSITIONS:
         raise ValueError(f"positions must be one of {', '.join(POSITIONS)}, got {positions!r}")
     for label, number in (("context_length", context_length), ("shard_tokens", shard_tokens)):
-        if not isinstance(number, int) or isinstance(number, bool):
+        if not _is_int(number):
             raise TypeError(f"{label} must be an int, got {number!r}")
     if shard_tokens < 1:
         raise ValueError(f"shard_tokens must be at least 1, got {shard_tokens}")
@@ -872,11 +872,16 @@ def make_plan(
     )
 
 
+def _is_int(number: Any) -> bool:
+    """An int, and not a bool (which Python counts as one: ``max_tokens=True`` is a mistake, not 1)."""
+    return isinstance(number, int) and not isinstance(number, bool)
+
+
 def window_limit(max_tokens: int | None, context_length: int) -> int | None:
     """How many windows ``max_tokens`` allows (None: all of them)."""
     if max_tokens is None:
         return None
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
+    if not _is_int(max_tokens):
         raise TypeError(f"max_tokens must be an int or None, got {max_tokens!r}")
     if max_tokens < context_length:
         raise ValueError(f"max_tokens {max_tokens} is less than one window of {context_length} tokens")
@@ -984,10 +989,10 @@ class Activations:
             KeyError: a key the dataset does not hold.
         """
         for label, number in (("batch_size", batch_size), ("buffer_shards", buffer_shards)):
-            if not isinstance(number, int) or isinstance(number, bool) or number < 1:
+            if not _is_int(number) or number < 1:
                 raise ValueError(f"{label} must be a positive int, got {number!r}")
         keys = _names(keys, "keys") if keys is not None else self.keys
-        if not isinstance(seed, int) or isinstance(seed, bool):
+        if not _is_int(seed):
             raise TypeError(f"seed must be an int, got {seed!r}")
         unknown = [key for key in keys if key not in self.keys and key not in ROW_KEYS]
         if unknown:

@@ -35,7 +35,7 @@ from .handover import Arena, Piece
 
 __all__ = [
     "GENERATED_KEY", "ID_KEY", "KEY", "Collector", "count", "eligible", "new_name", "split", "start", "start_checked", "step_spans",
-    "stop", "received", "take",
+    "arena_stats", "stop", "received", "take",
 ]
 
 #: ``SamplingParams.extra_args`` key whose value names the collector that reads the request.
@@ -298,6 +298,14 @@ def worker_arena(runner: Any) -> Arena:
         device_copies = torch.device(runner.device).type == "cuda"
         runner.vlenvoys_arena = Arena(handover.worker_name(), device_copies=device_copies)
     return runner.vlenvoys_arena
+
+
+def arena_stats(worker: Any) -> dict[str, float]:
+    """The worker's arena's `vlenvoys.handover.Arena.stats` (all zero before its first collection)."""
+    arena = getattr(worker.model_runner, "vlenvoys_arena", None)
+    if arena is None:
+        return {"chunks": 0, "bytes": 0, "made_bytes": 0, "made_seconds": 0.0}
+    return arena.stats()
 
 
 def close_arena(worker: Any) -> None:

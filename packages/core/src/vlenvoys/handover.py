@@ -54,6 +54,7 @@ import queue
 import re
 import tempfile
 import threading
+import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -150,6 +151,9 @@ class Arena:
         self.current: int | None = None
         self.files = os.path.isdir(SHARED_MEMORY) and os.access(SHARED_MEMORY, os.W_OK)
         self.made = 0
+        #: Bytes of chunks made so far, and the seconds making them took (reserving the memory, and on a
+        #: GPU page-locking it: the forward waits meanwhile); `stats` reports them.
+        self.made_bytes, self.made_seconds = 0, 0.0
         self.lock: int | None = None  # held for the arena's life: `sweep` leaves its files alone
         if self.files:
             sweep()
@@ -228,6 +232,7 @@ class Arena:
         return None
 
     def _new(self, size: int, files_only: bool = False) -> int | None:
+        began = time.perf_counter()
         chunk = self._file(size) if self.files else None
         if chunk is None and files_only:
             return None
@@ -237,7 +242,20 @@ class Arena:
             data = torch.empty(size, dtype=torch.uint8, pin_memory=self.device_copies)
             chunk = _Chunk(None, None, data, pinned=False)
         self.chunks[chunk_id] = chunk
+        self.made_bytes += size
+        self.made_seconds += time.perf_counter() - began
         return chunk_id
+
+    def stats(self) -> dict[str, float]:
+        """``{"chunks", "bytes"}`` held now, and ``{"made_bytes", "made_seconds"}`` since the arena began.
+
+        A collection that makes no chunk runs in memory an earlier one left; one that does waits for
+        each (on an H200's host, page-locking alone took 0.38 s a GiB).
+        """
+        return {
+            "chunks": len(self.chunks), "bytes": sum(chunk.size for chunk in self.chunks.values()),
+            "made_bytes": self.made_bytes, "made_seconds": self.made_seconds,
+        }
 
     def _file(self, size: int) -> _Chunk | None:
         room = os.statvfs(SHARED_MEMORY)

@@ -551,6 +551,11 @@ class StandardWorker:
 
         return collector.count(self)
 
+    def vlenvoys_arena_stats(self) -> dict:
+        from .. import collector
+
+        return collector.arena_stats(self)
+
     def shutdown(self) -> None:
         from .. import collector
 
