@@ -176,3 +176,12 @@ def test_the_oracle_edits_a_transformers_router_before_its_top_k(module, config)
     # Outside the context the router is transformers' own again.
     assert all(torch.equal(a, b) for a, b in zip(router(hidden), (logits, weights, experts)))
     assert "forward" not in vars(router)
+
+
+def test_support_gives_keys_and_values_one_head_per_key_value_head():
+    """Grouped-query attention: queries and head outputs have n heads, keys and values k; support says which."""
+    from vlenvoys.envoys import Attention
+
+    rows = {row.value: row.shape for row in _rows("attention", Attention)}
+    assert rows["attention_queries"] == rows["attention_head_outputs"] == rows["attention_premix"] == "[1, T, n, d]"
+    assert rows["attention_keys"] == rows["attention_values"] == "[1, T, k, d]"

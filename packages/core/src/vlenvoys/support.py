@@ -17,9 +17,11 @@ __all__ = ["Support", "Row", "support"]
 #: Layout names (a value's annotation) as shapes: T tokens, H hidden, I intermediate,
 #: n query heads, k key/value heads, d head width, E experts, K experts per token.
 SHAPES = {
-    "Residual": "[1, T, H]", "Heads": "[1, T, n|k, d]", "Neurons": "[1, T, I]", "Pattern": "[1, n, T, T]",
+    "Residual": "[1, T, H]", "Heads": "[1, T, n, d]", "Neurons": "[1, T, I]", "Pattern": "[1, n, T, T]",
     "Experts": "[1, T, E]", "Routes": "[1, T, K]",
 }
+#: Values of layout Heads with one head per key/value head (k of them), not per query head.
+KEY_VALUE_HEADS = {"attention_keys": "[1, T, k, d]", "attention_values": "[1, T, k, d]"}
 #: Named reasons by their text, for the `code` column.
 CODES = {getattr(errors, name): name for name in ("DECODE_STEP", "GATED", "ROUTED", "NOT_ROUTED", "FUSED_ROUTING", "PARALLEL")}
 
@@ -36,7 +38,7 @@ class Row:
 
     @property
     def shape(self) -> str:
-        return SHAPES.get(self.layout, self.layout)
+        return KEY_VALUE_HEADS.get(self.value) or SHAPES.get(self.layout, self.layout)
 
     @property
     def code(self) -> str:
