@@ -5,6 +5,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -287,6 +290,39 @@ def test_sweep_removes_the_files_of_arenas_whose_lock_is_free_only(files_only):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
     assert mine(living.name) == [] and not os.path.exists(lock), "close removed its chunk and its lock"
+
+
+def test_sweep_waits_for_its_own_engines_arenas_to_be_let_go(files_only):
+    """vLLM kills an engine that has not stopped 5 s after its SIGTERM; its worker may hold its lock a moment
+    after the kill, and a sweep at once would leave its files. A sweep for that engine waits for them to go."""
+    with handover.engine_named() as engine:
+        name = handover.worker_name()
+    assert name.startswith(f"rows-{engine}") and handover.ENGINE_VARIABLE not in os.environ
+    files = [os.path.join(handover.SHARED_MEMORY, f"vlenvoys-{name}{suffix}") for suffix in (".lock", "-a.rows")]
+    for path in files:
+        open(path, "wb").close()
+    holder = subprocess.Popen(  # the dying worker: holds the arena's lock for a second, then exits
+        [sys.executable, "-c", "import fcntl, os, sys, time; handle = os.open(sys.argv[1], os.O_RDONLY); "
+         "fcntl.flock(handle, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(1.0)", files[0]],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        handover.sweep()
+        assert all(os.path.exists(path) for path in files), "a held arena is left alone"
+        began = time.monotonic()
+        handover.sweep(engine="0" * 8, wait=30.0)  # another engine's arenas: nothing to wait for
+        assert time.monotonic() - began < 15 and all(os.path.exists(path) for path in files)
+        removed = handover.sweep(engine=engine, wait=30.0)
+        assert holder.poll() is not None, "the sweep waited for the worker to exit"
+        assert sorted(removed) == sorted(os.path.basename(path) for path in files)
+        assert not any(os.path.exists(path) for path in files)
+    finally:
+        holder.kill()
+        holder.wait()
+        for path in files:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
 
 def test_a_file_the_host_does_not_have_is_a_clear_error():

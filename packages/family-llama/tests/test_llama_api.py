@@ -82,10 +82,28 @@ def test_steer_takes_nnterps_positions_and_batch_index_zero(subject):
     ):
         with pytest.raises(ValueError, match=message):
             logits_of(model, prompt, lambda m: m.steer(1, vector, **wrong))
+    # A position the prompt does not have: an IndexError that says how many tokens there are (torch's names
+    # "dimension 0"), and the engine serves on.
+    tokens = len(prompt)  # token ids
+    for outside in ([1, tokens], -tokens - 1):
+        with pytest.raises(IndexError, match=f"the stream of this step has {tokens} tokens"):
+            logits_of(model, prompt, lambda m: m.steer(1, vector, token_positions=outside))
+    assert torch.equal(logits_of(model, prompt, lambda m: m.steer(1, vector, token_positions=[1, 3])), expected)
     # In a trace steer runs on the engine, whose warnings stay there; a call in the client warns
     # the same way before its read fails (no trace: nnsight's ValueError).
     with pytest.warns(DeprecationWarning, match="use `token_positions`"), pytest.raises(ValueError):
         model.steer(1, vector, positions=[1])
+
+
+@on_tiny_llama
+def test_project_on_vocab_refuses_a_vector_of_another_width(subject):
+    model, prompt = subject.model, subject.prompts[2]
+    with pytest.raises(ValueError, match=rf"shape \[\.\.\., {subject.hidden_size}\] \(hidden_size\), got \[7\]"):
+        logits_of(model, prompt, lambda m: m.project_on_vocab(torch.zeros(7)))
+    with model.trace(prompt, temperature=0.0):
+        lens = model.project_on_vocab(model.layers[-1].layer_output).save()
+        logits = model.logits.save()
+    assert torch.allclose(lens[0, -1].cpu(), logits.reshape(-1).cpu(), atol=1e-4), "the last block's lens is the logits"
 
 
 @on_tiny_llama

@@ -269,6 +269,7 @@ MALFORMED = [
     ({"capture": [{"value": "layer_oops", "layers": 1}]}, "unknown value 'layer_oops'"),
     ({"capture": [{"value": "layer_output", "layers": [3]}]}, "block 3 does not exist; the model has blocks 0 to 2"),
     ({"capture": [{"value": "attention_probabilities", "layers": 1}]}, "is recomputed per request"),
+    ({"capture": [{"value": "attention_probabilities", "layers": 1}]}, "it can read layer_input, "),
     ({"capture": [{"value": "mlp_router_logits", "layers": 1}]}, "is not served on"),
     ({"capture": {"value": "layer_output", "layers": 1, "positions": "first"}}, "positions"),
     ({"capture": {"value": "layer_output", "layers": 1, "dtype": "int8"}}, "dtype"),

@@ -35,7 +35,7 @@ from .handover import Arena, Piece
 
 __all__ = [
     "GENERATED_KEY", "ID_KEY", "KEY", "Collector", "count", "eligible", "new_name", "split", "start", "start_checked", "step_spans",
-    "arena_stats", "stop", "received", "take",
+    "arena_stats", "capturable", "stop", "received", "take",
 ]
 
 #: ``SamplingParams.extra_args`` key whose value names the collector that reads the request.
@@ -351,12 +351,29 @@ def start_checked(worker: Any, name: str, reads: list[Read]) -> dict[str, Any]:
         if why is None:
             why = eligible(model, [read])
             if why is not None:
-                return {"refused": f"{why}: capture reads values one hook per module per step"}
+                return {
+                    "refused": f"{why}: capture reads values one hook per module per step; it can read "
+                    f"{', '.join(capturable(model))}"
+                }
         else:
             return {"refused": f"{read[2]} is not served on {type(envoy).__name__}: {why}"}
         head_dims[f"{read[2]}.{read[0]}"] = value._head_dim(envoy)
     start(worker, name, reads)
     return {"head_dims": head_dims}
+
+
+def capturable(model: Any) -> list[str]:
+    """The values of ``model``'s blocks this path reads (served by the family, one hook per module), by name."""
+    from .envoys import unavailable_reason
+    from .support import values_of
+
+    names = []
+    for owner in ("layer", "self_attn", "mlp"):
+        envoy = model.layers[0] if owner == "layer" else getattr(model.layers[0], owner)
+        for name, _ in values_of(type(envoy)):
+            if unavailable_reason(envoy, name) is None and eligible(model, [(0, owner, name)]) is None:
+                names.append(name)
+    return names
 
 
 def take(worker: Any, name: str, requests: list[str]) -> dict[str, Any]:

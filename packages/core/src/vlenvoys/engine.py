@@ -71,10 +71,17 @@ class StandardizedVLLM(VLLM):
         return super()._wrap(module, *args, **kwargs)
 
     def _load(self, repo_id: str, **kwargs: Any) -> Any:
+        from .handover import engine_named
+
         # nnsight's own worker refuses vLLM's CPU runner; pick ours by platform.
         self._WORKER_CLS = worker_class()
         _spawn_on_a_gpu()
-        return super()._load(repo_id, **kwargs)
+        with engine_named() as name:  # its workers' row files are named for it: `shutdown` waits for them to go
+            self._engine_name = name
+            return super()._load(repo_id, **kwargs)
+
+    #: Set by `_load`: the name the engine's workers' arenas start with (`vlenvoys.handover.engine_named`).
+    _engine_name: str | None = None
 
     #: Set by `load`: each envoy's attribute names when the model was handed over (none: nothing travels by path).
     _built_keys: dict[str, frozenset] = {}
@@ -323,6 +330,8 @@ class StandardizedVLLM(VLLM):
             ValueError: both ``positions`` and ``token_positions``, a
                 ``batch_index`` other than None or 0, or a vector whose last axis
                 is not ``hidden_size``.
+            IndexError: a token position the stream does not have (in the trace: the prompt's
+                tokens on the prefill, one on a decode step).
             InvalidWrite: the steered stream has NaN or infinite entries (see `values.unbatched`).
         """
         if positions is not None:
@@ -344,6 +353,7 @@ class StandardizedVLLM(VLLM):
         # In forward order, as nnterp does: a later block cannot be edited before an earlier one.
         for layer in sorted({block_index(layer, count) for layer in indices}):
             stream = self.layers[layer].layer_output
+            _check_positions(positions, stream.shape[1])
             # To the stream's device and dtype, as nnterp's steer does: a CPU vector steers a GPU engine.
             stream[:, positions] += factor * steering_vector.to(device=stream.device, dtype=stream.dtype)
 
@@ -376,7 +386,14 @@ class StandardizedVLLM(VLLM):
         (Gemma 2's final soft cap, Granite's logits scaling). Works inside a
         trace, where vLLM's LM head cannot be called as a module, and under
         tensor parallelism (every rank's vocabulary slice gathered).
+
+        Raises:
+            ValueError: ``hidden`` is not a tensor whose last axis is ``hidden_size``, or the call
+                is outside a trace (this process holds no weights).
         """
+        shape = tuple(getattr(hidden, "shape", ()))
+        if not isinstance(hidden, torch.Tensor) or shape[-1:] != (self.hidden_size,):
+            raise ValueError(f"project_on_vocab: expected a tensor of shape [..., {self.hidden_size}] (hidden_size), got {list(shape)}")
         if self.lm_head.weight.is_meta:
             raise ValueError(
                 "project_on_vocab runs inside a trace, where the model's weights are (this process holds a "
@@ -833,10 +850,25 @@ def shutdown(model: VLLM) -> None:
             _stop_leftovers(core)
     from .handover import SAVES_MAPS, sweep
 
-    sweep()  # collected rows' files of a worker that was killed before it removed them
+    # Collected rows' files of a worker killed before it removed them (vLLM kills an engine that has not
+    # stopped 5 s after its SIGTERM); a worker just killed may hold its lock a moment longer.
+    sweep(engine=getattr(model, "_engine_name", None), wait=10.0)
     SAVES_MAPS.drop_stale()  # this process's mappings of the engine's trace saves: their files are gone now
     model.vllm_entrypoint = None
     model._shut_down = True
+
+
+def _check_positions(positions: Any, tokens: int) -> None:
+    """IndexError naming the token count for a position a ``[1, tokens, ...]`` stream does not have (torch's says "dimension 0")."""
+    if isinstance(positions, slice):
+        return
+    listed = [positions] if isinstance(positions, int) else list(positions) if isinstance(positions, (list, tuple)) else []
+    outside = [position for position in listed if isinstance(position, int) and not -tokens <= position < tokens]
+    if outside:
+        raise IndexError(
+            f"token_positions {outside}: the stream of this step has {tokens} token{'s' if tokens != 1 else ''} (positions "
+            f"{-tokens} to {tokens - 1}; the prompt's on the prefill, one on a decode step)"
+        )
 
 
 def family_of(model: StandardizedVLLM) -> InstalledFamily:

@@ -365,27 +365,61 @@ class Arena:
             self.lock = None
 
 
+#: Set by a client while it starts an engine (`engine_named`): the engine's processes inherit it, and
+#: each worker's arena name starts with it, so the client's `sweep` can wait for that engine's arenas.
+ENGINE_VARIABLE = "VLENVOYS_ENGINE"
+
+
 def worker_name() -> str:
-    """A name for a worker's arena: ``rows-<hex token>``, unique on the host."""
-    return f"rows-{uuid.uuid4().hex[:16]}"
+    """A name for a worker's arena: ``rows-<hex token>``, unique on the host, led by its engine's name where it has one."""
+    engine = os.environ.get(ENGINE_VARIABLE, "")
+    return f"rows-{engine if re.fullmatch(r'[0-9a-f]{8}', engine) else ''}{uuid.uuid4().hex[:16]}"
 
 
-def sweep() -> list[str]:
+@contextlib.contextmanager
+def engine_named() -> Iterator[str]:
+    """Start an engine inside the block: its workers' arenas are named for it; yields the name for `sweep`."""
+    name, before = uuid.uuid4().hex[:8], os.environ.get(ENGINE_VARIABLE)
+    os.environ[ENGINE_VARIABLE] = name
+    try:
+        yield name
+    finally:
+        if before is None:
+            os.environ.pop(ENGINE_VARIABLE, None)
+        else:
+            os.environ[ENGINE_VARIABLE] = before
+
+
+def sweep(engine: str | None = None, wait: float = 0.0) -> list[str]:
     """Remove the files of worker arenas whose lock nobody holds (their worker has exited); returns them.
 
     Chunk files of a worker arena that has no lock file are left by an arena
-    that was removing its files when it died, and go too.
+    that was removing its files when it died, and go too. With ``engine`` (a
+    name from `engine_named`), wait up to ``wait`` seconds for that engine's
+    arenas to be let go: a worker vLLM has just killed may still hold its lock
+    for a moment, and its files would otherwise outlive it.
     """
+    deadline = time.monotonic() + wait
+    removed, held = _sweep_once()
+    while engine is not None and any(owner.startswith(f"rows-{engine}") for owner in held) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        more, held = _sweep_once()
+        removed += more
+    return removed
+
+
+def _sweep_once() -> tuple[list[str], list[str]]:
+    """One `sweep`: the files removed, and the arenas whose lock is held."""
     try:
         entries = os.listdir(SHARED_MEMORY)
     except OSError:
-        return []
+        return [], []
     locked = {}
     for entry in entries:
         match = _LOCK_FILE.match(entry)
         if match is not None:
             locked[match.group(1)] = entry
-    removed = []
+    removed, held = [], []
     for owner, entry in locked.items():
         path = os.path.join(SHARED_MEMORY, entry)
         try:
@@ -396,6 +430,7 @@ def sweep() -> list[str]:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(handle)
+            held.append(owner)
             continue  # its worker is alive
         try:
             removed += _remove([name for name in entries if name.startswith(f"vlenvoys-{owner}-")] + [entry])
@@ -404,7 +439,7 @@ def sweep() -> list[str]:
     removed += _remove(
         [name for name in entries if (match := _CHUNK_FILE.match(name)) and match.group(1) not in locked]
     )
-    return removed
+    return removed, held
 
 
 def _remove(entries: list[str]) -> list[str]:

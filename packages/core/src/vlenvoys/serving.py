@@ -666,6 +666,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
 
     from .engine import _cpu_ranks, _float32_kernels
+    from .handover import engine_named, sweep
 
     cli_env_setup()
     anyio_classes_first()
@@ -674,5 +675,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     validate_parsed_serve_args(args)
     print(f"vlenvoys serve: {args.model} ({args.dtype}) on http://{args.host or '0.0.0.0'}:{args.port}/v1, "
           f"steering on {', '.join(GENERATING)}; {len(VECTORS.named)} named vectors", file=sys.stderr, flush=True)
-    with _cpu_ranks(args.tensor_parallel_size), _float32_kernels(args.dtype):
-        uvloop.run(run_server(args))
+    with _cpu_ranks(args.tensor_parallel_size), _float32_kernels(args.dtype), engine_named() as engine:
+        try:
+            uvloop.run(run_server(args))
+        finally:  # what a worker vLLM killed on the way out left in shared memory
+            sweep(engine=engine, wait=10.0)
