@@ -71,6 +71,11 @@ def arena(model) -> dict:
     return model.vllm_entrypoint.llm_engine.collective_rpc("vlenvoys_arena_stats")[0]
 
 
+def made_since(before: dict, after: dict) -> tuple[float, float]:
+    """MiB of row memory the worker made between two `arena` readings, and the seconds that took."""
+    return (after["made_bytes"] - before["made_bytes"]) / 2**20, after["made_seconds"] - before["made_seconds"]
+
+
 def corpus(tokenizer, tokens: int, context_length: int) -> tuple[list[str], list[list[int]]]:
     """Documents that make at least ``tokens`` tokens of windows, and those windows (cut as collect_dataset cuts them)."""
     documents: list[str] = []
@@ -131,8 +136,7 @@ def main() -> None:
         before, start = arena(model), time.perf_counter()
         collect_dataset(model, texts, scratch / "warm", "layer_output", [layer], context_length=args.context_length,
                         max_tokens=len(warm) * args.context_length, progress=False)
-        warm_seconds, warmed = time.perf_counter() - start, arena(model)
-        warm_made = ((warmed["made_bytes"] - before["made_bytes"]) / 2**20, warmed["made_seconds"] - before["made_seconds"])
+        warm_seconds, warm_made = time.perf_counter() - start, made_since(before, arena(model))
         print(f"warm-up: {len(warm)} windows in {warm_seconds:.2f} s; the worker made {warm_made[0]:,.0f} MiB of row memory "
               f"in {warm_made[1]:.2f} s", flush=True)
         for size in sizes:
@@ -158,9 +162,8 @@ def main() -> None:
                                     max_tokens=tokens, progress=False)
                     ours_seconds.append(time.perf_counter() - start)
                     ours_cpu.append(client_cpu() - cpu)
-                after = arena(model)
-                made_mib += (after["made_bytes"] - before["made_bytes"]) / 2**20
-                made_seconds += after["made_seconds"] - before["made_seconds"]
+                mib, seconds = made_since(before, arena(model))
+                made_mib, made_seconds = made_mib + mib, made_seconds + seconds
                 ours_cpu[-1] -= peak.cpu
                 ours_peak = max(ours_peak, peak.peak)
                 written = sum(file.stat().st_size for file in folder.iterdir())

@@ -364,15 +364,13 @@ def start_checked(worker: Any, name: str, reads: list[Read]) -> dict[str, Any]:
 
 def capturable(model: Any) -> list[str]:
     """The values of ``model``'s blocks this path reads (served by the family, one hook per module), by name."""
-    from .envoys import unavailable_reason
-    from .support import values_of
+    from .support import _rows
 
-    names = []
-    for owner in ("layer", "self_attn", "mlp"):
-        envoy = model.layers[0] if owner == "layer" else getattr(model.layers[0], owner)
-        for name, _ in values_of(type(envoy)):
-            if unavailable_reason(envoy, name) is None and eligible(model, [(0, owner, name)]) is None:
-                names.append(name)
+    block, names = model.layers[0], []
+    for owner, kind in (("layer", "layer"), ("self_attn", "attention"), ("mlp", "mlp")):
+        envoy = block if owner == "layer" else getattr(block, owner)
+        # support's rows of a loaded block: the values its family serves there (block 0's stand for every block)
+        names += [row.value for row in _rows(kind, type(envoy), envoy) if row.available and eligible(model, [(0, owner, row.value)]) is None]
     return names
 
 
