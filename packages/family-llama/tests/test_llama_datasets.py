@@ -345,6 +345,64 @@ def test_a_saved_dataset_is_a_source(subject, full_run, tmp_path):
         list(documents(tmp_path / "two"))
 
 
+def packed(texts, tokenizer, context_length) -> list[list[int]]:
+    """SAE training code's packing, written out: the tokenizer's own call, a BOS before each window and between documents."""
+    bos, stream = tokenizer.bos_token_id, []
+    for index, ids in enumerate(tokenizer(list(texts), add_special_tokens=False)["input_ids"]):
+        stream += ([bos] if index else []) + ids
+    body = context_length - 1
+    return [[bos, *stream[start : start + body]] for start in range(0, len(stream) - body + 1, body)]
+
+
+#: Texts a tokenizer may treat apart: special tokens' spellings, other scripts, runs of spaces and newlines.
+AWKWARD = [
+    "<|endoftext|> and <s> </s> <|im_start|>user\nhi<|im_end|> written as text",
+    "Ünïcödé: 東京は日本の首都です。 Привет, мир! 😀👍",
+    "   leading spaces, trailing ones   \n\n\ttabs\r\n",
+    "",
+    "x" * 300,
+]
+
+
+@pytest.mark.parametrize("which", ["tiny", "SmolLM2"])
+def test_windows_hold_the_tokenizers_own_ids(which, tmp_path):
+    """`windows` tokenizes with the fast tokenizer's Rust half alone (no Python dict per text, the GIL left to the
+    thread driving the engine); its windows are the tokenizer's own call's, packed, on special tokens' spellings,
+    other scripts and whitespace; a tokenizer whose call prepares text in Python is called as it is."""
+    from transformers import AutoTokenizer
+
+    from vlenvoys.activations import _Tokenizing
+    from vlenvoys.weights import WeightsUnavailable, smollm2_path
+
+    if which == "tiny":
+        folder = testing.tiny_model("LlamaForCausalLM", tmp_path / "model")
+    else:
+        try:
+            folder = smollm2_path()
+        except WeightsUnavailable as error:
+            pytest.skip(str(error))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    texts = AWKWARD + CORPUS
+    assert list(windows(texts, tokenizer, CONTEXT)) == packed(texts, tokenizer, CONTEXT)
+    split = AutoTokenizer.from_pretrained(folder, split_special_tokens=True)
+    assert list(windows(texts, split, CONTEXT)) == packed(texts, split, CONTEXT)
+    for each in (tokenizer, split):
+        tokenizing = _Tokenizing(each)
+        assert tokenizing(texts) == each(texts, add_special_tokens=False)["input_ids"] and tokenizing.direct
+        assert tokenizing.rust(texts) == each(texts, add_special_tokens=False)["input_ids"]  # beyond the checked texts
+
+    class Lowercasing(type(tokenizer)):
+        """Prepares each text in Python before its Rust tokenizer sees it."""
+
+        def __call__(self, texts, **kwargs):
+            return super().__call__([text.lower() for text in texts], **kwargs)
+
+    lowercasing = Lowercasing.from_pretrained(folder)
+    assert list(windows(texts, lowercasing, CONTEXT)) == packed(texts, lowercasing, CONTEXT)
+    tokenizing = _Tokenizing(lowercasing)
+    assert tokenizing(["A Capital"]) == lowercasing(["A Capital"], add_special_tokens=False)["input_ids"] and tokenizing.direct is False
+
+
 def test_collect_command_writes_shards(tmp_path):
     """The CLI's windows mode on its own engine; a second run finds the collection complete without starting one."""
     model = testing.tiny_model("LlamaForCausalLM", tmp_path / "model")
