@@ -14,7 +14,10 @@ For each corpus size (tokens of windows) it measures, on one engine:
   (`vlenvoys.handover.Arena.stats`): the forward waits for each chunk made, and on a GPU page-locking
   alone takes about 0.4 s a GiB. A worker keeps its chunks for the next collection, so a long run
   pays this once; a warm-up collection of ``--warm-windows`` windows (three times the windows in
-  flight on a GPU) makes them before the timed runs, which then show the steady state.
+  flight on a GPU) makes them before the timed runs, which then show the steady state;
+- where the time beyond plain prefill's goes on the worker (`vlenvoys.collector.Spent`): its hooks,
+  the takes the engine waits for between steps, and on a GPU the copies off the device on the
+  forward's own stream (what a copy on a stream of its own would save at most).
 
 On the CPU: the built-in SmolLM2-135M (float32). Where torch sees a GPU:
 bench.py's random Llama of a 1B shape in bfloat16. Run with ``nox -s bench``
@@ -66,14 +69,19 @@ def plain_prefill(model, cut: list[list[int]], in_flight: int) -> None:
                 running.discard(output.request_id)
 
 
-def arena(model) -> dict:
-    """The engine worker's row arena (`vlenvoys.handover.Arena.stats`; the first rank's)."""
-    return model.vllm_entrypoint.llm_engine.collective_rpc("vlenvoys_arena_stats")[0]
+def worker(model) -> dict:
+    """The engine worker's figures since it began (`vlenvoys.collector.stats`: its row memory, the time collections took)."""
+    return model.vllm_entrypoint.llm_engine.collective_rpc("vlenvoys_collect_stats")[0]
 
 
 def made_since(before: dict, after: dict) -> tuple[float, float]:
-    """MiB of row memory the worker made between two `arena` readings, and the seconds that took."""
+    """MiB of row memory the worker made between two `worker` readings, and the seconds that took."""
     return (after["made_bytes"] - before["made_bytes"]) / 2**20, after["made_seconds"] - before["made_seconds"]
+
+
+def spent_since(before: dict, after: dict) -> dict[str, float]:
+    """Seconds of the worker's hooks, takes and (on a GPU) copies on the forward's stream between two `worker` readings."""
+    return {key: after[key] - before[key] for key in ("hook_seconds", "take_seconds", "copy_seconds")}
 
 
 def corpus(tokenizer, tokens: int, context_length: int) -> tuple[list[str], list[list[int]]]:
@@ -133,10 +141,10 @@ def main() -> None:
         texts, warm = corpus(model.tokenizer, warm_windows * args.context_length, args.context_length)
         # Warm-up of both sides: the first collection installs its hooks and makes the worker's row memory.
         plain_prefill(model, warm, in_flight)
-        before, start = arena(model), time.perf_counter()
+        before, start = worker(model), time.perf_counter()
         collect_dataset(model, texts, scratch / "warm", "layer_output", [layer], context_length=args.context_length,
                         max_tokens=len(warm) * args.context_length, progress=False)
-        warm_seconds, warm_made = time.perf_counter() - start, made_since(before, arena(model))
+        warm_seconds, warm_made = time.perf_counter() - start, made_since(before, worker(model))
         print(f"warm-up: {len(warm)} windows in {warm_seconds:.2f} s; the worker made {warm_made[0]:,.0f} MiB of row memory "
               f"in {warm_made[1]:.2f} s", flush=True)
         for size in sizes:
@@ -146,6 +154,7 @@ def main() -> None:
             plain_seconds, ours_seconds, plain_peak, ours_peak, written = [], [], 0.0, 0.0, 0
             plain_cpu, ours_cpu = [], []  # the client process's CPU seconds (every thread; the engine runs in its own)
             made_mib, made_seconds = 0.0, 0.0  # row memory the worker made during the timed collections
+            gaps, spent = [], []  # per timed collection: its seconds beyond plain prefill's, and the worker's `spent_since`
             for _ in range(repeats):
                 with PeakMemory() as peak:
                     start, cpu = time.perf_counter(), client_cpu()
@@ -155,35 +164,43 @@ def main() -> None:
                 plain_cpu[-1] -= peak.cpu  # not the memory sampling's
                 plain_peak = max(plain_peak, peak.peak)
                 folder = scratch / "acts"
-                before = arena(model)
+                before = worker(model)
                 with PeakMemory() as peak:
                     start, cpu = time.perf_counter(), client_cpu()
                     collect_dataset(model, documents, folder, "layer_output", [layer], context_length=args.context_length,
                                     max_tokens=tokens, progress=False)
                     ours_seconds.append(time.perf_counter() - start)
                     ours_cpu.append(client_cpu() - cpu)
-                mib, seconds = made_since(before, arena(model))
+                after = worker(model)
+                mib, seconds = made_since(before, after)
                 made_mib, made_seconds = made_mib + mib, made_seconds + seconds
+                gaps.append(ours_seconds[-1] - plain_seconds[-1])
+                spent.append(spent_since(before, after))
                 ours_cpu[-1] -= peak.cpu
                 ours_peak = max(ours_peak, peak.peak)
                 written = sum(file.stat().st_size for file in folder.iterdir())
                 shutil.rmtree(folder)
             plain_rate, ours_rate = tokens / min(plain_seconds), tokens / min(ours_seconds)
             plain_us, ours_us = (1e6 * min(each) / len(cut) for each in (plain_cpu, ours_cpu))
+            best = min(range(repeats), key=lambda index: ours_seconds[index])  # the timed run the ratio reports
+            worker_ms = {key.removesuffix("_seconds"): 1e3 * value for key, value in spent[best].items()}
             measured.append({"tokens": tokens, "plain_tokens_per_s": plain_rate, "dataset_tokens_per_s": ours_rate,
                              "plain_peak_mib": plain_peak, "dataset_peak_mib": ours_peak, "bytes_written": written,
                              "plain_client_us_per_window": plain_us, "dataset_client_us_per_window": ours_us,
-                             "worker_made_mib": made_mib, "worker_made_seconds": made_seconds, "repeats": repeats})
+                             "worker_made_mib": made_mib, "worker_made_seconds": made_seconds, "repeats": repeats,
+                             "gap_ms": 1e3 * gaps[best], **{f"worker_{key}_ms": value for key, value in worker_ms.items()}})
             rows.append((f"{tokens:,}", f"{ours_rate:,.0f}", f"{plain_rate:,.0f}", f"{ours_rate / plain_rate:.3f}",
                          f"{ours_peak:,.0f}", f"{plain_peak:,.0f}", f"{written / 2**20:,.0f}", f"{ours_us:,.0f}", f"{plain_us:,.0f}",
-                         f"{made_mib:,.0f} in {made_seconds:.2f} s"))
+                         f"{made_mib:,.0f} in {made_seconds:.2f} s", f"{1e3 * gaps[best]:,.0f}",
+                         " / ".join(f"{worker_ms[key]:,.0f}" for key in ("hook", "take", "copy"))))
             print(" | ".join(rows[-1]), flush=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
         stop(model)
     headers = ("tokens", "collect_dataset tok/s", "plain prefill tok/s", "ratio", "collect_dataset peak MiB",
                "plain prefill peak MiB", "written MiB", "collect_dataset client CPU µs/window", "plain prefill client CPU µs/window",
-               "row memory the worker made (MiB)")
+               "row memory the worker made (MiB)", "collect_dataset's ms beyond plain prefill's",
+               "worker's ms in hooks / takes / copies on the forward's stream")
     device = torch.cuda.get_device_name() if cuda else f"CPU, {os.cpu_count()} cores"
     header = (f"{device}; {described}; layer_output at block {layer}, windows of {args.context_length} tokens, "
               f"{in_flight} in flight, bfloat16 shards; peak = this process and vLLM's, proportional set size (shared pages once); "

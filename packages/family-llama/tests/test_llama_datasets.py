@@ -110,6 +110,20 @@ def test_shards_equal_transformers_and_collect(subject, full_run):
 
 
 @on_tiny_llama
+def test_the_worker_counts_the_time_collections_take(subject, full_run):
+    """`vlenvoys.collector.stats`, for benchmarks: hooks and takes grow with a collection; the copies off the
+    device are timed on a GPU engine only (a CPU engine's copies are part of its forward)."""
+    _, _, _, cut = full_run
+    engine = subject.model.vllm_entrypoint.llm_engine
+    (before,) = engine.collective_rpc("vlenvoys_collect_stats")
+    collect(subject.model, cut[:4], ["layer_output"], [0])
+    (after,) = engine.collective_rpc("vlenvoys_collect_stats")
+    assert after["hook_seconds"] > before["hook_seconds"] and after["take_seconds"] > before["take_seconds"]
+    assert (after["copy_seconds"] > before["copy_seconds"]) == (subject.device_type == "cuda")
+    assert after["chunks"] >= 1 and after["made_bytes"] >= before["made_bytes"]
+
+
+@on_tiny_llama
 def test_positions_and_dtype(subject, full_run, tmp_path):
     folder, source, _, cut = full_run
     full, bos = rows(folder), subject.model.tokenizer.bos_token_id

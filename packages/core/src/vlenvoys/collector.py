@@ -24,6 +24,7 @@ short.
 from __future__ import annotations
 
 import dataclasses
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -35,7 +36,7 @@ from .handover import Arena, Piece
 
 __all__ = [
     "GENERATED_KEY", "ID_KEY", "KEY", "Collector", "count", "eligible", "new_name", "split", "start", "start_checked", "step_spans",
-    "arena_stats", "capturable", "stop", "received", "take",
+    "stats", "capturable", "stop", "received", "take",
 ]
 
 #: ``SamplingParams.extra_args`` key whose value names the collector that reads the request.
@@ -48,6 +49,9 @@ ID_KEY = "vlenvoys_collect_id"
 GENERATED_KEY = "vlenvoys_collect_generated"
 #: How many ids taken before their request was admitted a collector remembers (to ignore that request).
 FORGOTTEN = 4096
+
+#: Copies' event pairs a worker keeps before it counts those that have passed (`Spent`).
+TIMED = 4096
 
 #: (layer, owner, value): one read; owner is "layer", "self_attn" or "mlp".
 Read = tuple[int, str, str]
@@ -75,6 +79,43 @@ def eligible(model: Any, reads: Sequence[Read]) -> str | None:
         if reason is not None:
             return f"{read[2]} {reason}"
     return None
+
+
+class Spent:
+    """Worker side: time its collections took from the forward and the engine, for benchmarks (`stats`).
+
+    ``hooks``: seconds in the hooks (slicing a step's rows, queueing their copy,
+    making a chunk where none is free). ``takes``: seconds answering takes,
+    which the engine's process waits for between two steps. ``copies``: on a
+    GPU, seconds the copies off the device took on the forward's own stream
+    (the kernels after each waited for it), timed by CUDA events and counted
+    once both have passed.
+    """
+
+    def __init__(self) -> None:
+        self.hooks = self.takes = self.copies = 0.0
+        self.timed: list[tuple[Any, Any]] = []  # (event before a copy, event after it), not yet counted
+
+    def count_copies(self) -> None:
+        """Add the copies whose end has passed on the device to ``copies``."""
+        left = []
+        for begun, ended in self.timed:
+            if ended.query():
+                self.copies += begun.elapsed_time(ended) / 1000
+            else:
+                left.append((begun, ended))
+        self.timed = left
+
+    def seconds(self) -> dict[str, float]:
+        self.count_copies()
+        return {"hook_seconds": self.hooks, "take_seconds": self.takes, "copy_seconds": self.copies}
+
+
+def spent(runner: Any) -> Spent:
+    """The worker's one `Spent`, kept for its life."""
+    if getattr(runner, "vlenvoys_spent", None) is None:
+        runner.vlenvoys_spent = Spent()
+    return runner.vlenvoys_spent
 
 
 class Collector:
@@ -107,6 +148,7 @@ class Collector:
         self.name = name
         #: The worker's host memory the rows are copied into, which the client maps (`vlenvoys.handover`).
         self.arena = worker_arena(runner)
+        self.spent = spent(runner)
         for read in reads:
             envoy, value = _descriptor(model, read)
             key = f"{read[2]}.{read[0]}"
@@ -120,6 +162,7 @@ class Collector:
             spans = self.spans(key)
             if not spans:
                 return
+            began = time.perf_counter()
             tensor = value.pick(envoy, raw)
             if value._batch(envoy):  # vLLM's transformers backend: [1, tokens, ...]
                 tensor = tensor[0]
@@ -131,11 +174,18 @@ class Collector:
             else:
                 rows = torch.cat([tensor.narrow(0, start, count) for _, start, count in spans])
             host, chunk, offset = self.arena.block(rows.shape, rows.dtype, holders=len(spans))
+            copying = None
+            if self.arena.device_copies:
+                copying = torch.cuda.Event(enable_timing=True)
+                copying.record()
             host.copy_(rows, non_blocking=True)  # queued on the stream (`take` waits for it)
             copied = None
-            if self.arena.device_copies:
-                copied = torch.cuda.Event()
+            if copying is not None:
+                copied = torch.cuda.Event(enable_timing=True)
                 copied.record()
+                self.spent.timed.append((copying, copied))
+                if len(self.spent.timed) > TIMED:  # nobody took for a while (a server between requests)
+                    self.spent.count_copies()
             if key not in self.row_layouts:
                 self.row_layouts[key] = (list(rows.shape[1:]), str(rows.dtype).removeprefix("torch."))
             row_bytes = rows[0].numel() * rows.element_size()
@@ -145,6 +195,7 @@ class Collector:
                 offset += count * row_bytes
                 if copied is not None:
                     self.copied[request] = copied
+            self.spent.hooks += time.perf_counter() - began
 
         if side == "input":
             return module.register_forward_pre_hook(lambda module, args, kwargs: read((args, kwargs)), with_kwargs=True)
@@ -196,6 +247,14 @@ class Collector:
         values}, "prompts": {caller id: prompt length}, **Arena.handover(...)}``:
         per value key, one list of pieces per id in ``order``.
         """
+        began = time.perf_counter()
+        try:
+            return self._take(requests)
+        finally:
+            self.spent.takes += time.perf_counter() - began
+            self.spent.count_copies()
+
+    def _take(self, requests: Sequence[str]) -> dict[str, Any]:
         # The client maps each handover before it calls again: what it was given before may be reused.
         self.arena.acknowledge(self.name)
         order, missing, dropped, prompts = [], {}, [], {}
@@ -300,12 +359,14 @@ def worker_arena(runner: Any) -> Arena:
     return runner.vlenvoys_arena
 
 
-def arena_stats(worker: Any) -> dict[str, float]:
-    """The worker's arena's `vlenvoys.handover.Arena.stats` (all zero before its first collection)."""
+def stats(worker: Any) -> dict[str, float]:
+    """Since the worker began: its arena's `vlenvoys.handover.Arena.stats` and the time its collections took (`Spent`).
+
+    All zero before its first collection. For benchmarks: where a collection's time goes beside the forward's.
+    """
     arena = getattr(worker.model_runner, "vlenvoys_arena", None)
-    if arena is None:
-        return {"chunks": 0, "bytes": 0, "made_bytes": 0, "made_seconds": 0.0}
-    return arena.stats()
+    held = arena.stats() if arena is not None else {"chunks": 0, "bytes": 0, "made_bytes": 0, "made_seconds": 0.0}
+    return {**held, **spent(worker.model_runner).seconds()}
 
 
 def close_arena(worker: Any) -> None:

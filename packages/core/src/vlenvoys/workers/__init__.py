@@ -551,10 +551,10 @@ class StandardWorker:
 
         return collector.count(self)
 
-    def vlenvoys_arena_stats(self) -> dict:
+    def vlenvoys_collect_stats(self) -> dict:
         from .. import collector
 
-        return collector.arena_stats(self)
+        return collector.stats(self)
 
     def shutdown(self) -> None:
         from .. import collector
