@@ -182,6 +182,9 @@ def test_support_gives_keys_and_values_one_head_per_key_value_head():
     """Grouped-query attention: queries and head outputs have n heads, keys and values k; support says which."""
     from vlenvoys.envoys import Attention
 
-    rows = {row.value: row.shape for row in _rows("attention", Attention)}
-    assert rows["attention_queries"] == rows["attention_head_outputs"] == rows["attention_premix"] == "[1, T, n, d]"
-    assert rows["attention_keys"] == rows["attention_values"] == "[1, T, k, d]"
+    rows = {row.value: row for row in _rows("attention", Attention)}
+    assert {rows[name].shape for name in ("attention_queries", "attention_head_outputs", "attention_premix")} == {"[1, T, n, d]"}
+    assert {rows[name].shape for name in ("attention_keys", "attention_values")} == {"[1, T, k, d]"}
+    # The shape follows the layout the value is declared with, as every other value's does.
+    assert rows["attention_keys"].layout == rows["attention_values"].layout == "KeyValueHeads" == Attention.attention_keys.layout
+    assert rows["attention_queries"].layout == "Heads"

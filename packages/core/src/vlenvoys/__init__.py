@@ -23,7 +23,7 @@ from .errors import DECODE_STEP, FUSED_ROUTING, GATED, NOT_ROUTED, PARALLEL, ROU
 from .family import BACKBONE_NAMES, TIED_BACKBONE_NAMES, Architecture, ByConfig, Family, InstalledFamily, families
 from .steering import Steering, generate
 from .support import Support, support
-from .values import Derived, Experts, Flat, Heads, Neurons, Pattern, Residual, Routes, argument, batched, summed, summed_output, unbatched, with_argument
+from .values import Derived, Experts, Flat, Heads, KeyValueHeads, Neurons, Pattern, Residual, Routes, argument, batched, summed, summed_output, unbatched, with_argument
 from .version import __version__
 
 __all__ = [
@@ -44,6 +44,7 @@ __all__ = [
     "Flat",
     "FusedLayer",
     "Heads",
+    "KeyValueHeads",
     "InstalledFamily",
     "InvalidWrite",
     "NoSuchBlock",

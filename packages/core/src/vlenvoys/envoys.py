@@ -18,7 +18,7 @@ from .attention import on_decode_step, scores
 from .errors import FUSED_ROUTING, GATED, NOT_ROUTED, PARALLEL, ROUTED, InvalidWrite, NoSuchBlock, SkipRefused
 from .routing import Chosen, routes_of
 from .routing import Routes as RoutesModule
-from .values import Derived, Experts, Flat, Heads, Neurons, Pattern, Residual, Routes, Slot, summed, summed_output
+from .values import Derived, Experts, Flat, Heads, KeyValueHeads, Neurons, Pattern, Residual, Routes, Slot, summed, summed_output
 
 _PATTERN_READ_ONLY = (
     "vLLM's kernel computes the pattern and takes none; edit attention_queries or attention_keys "
@@ -345,12 +345,12 @@ class Attention(Contributing):
         return value
 
     @Flat("{KERNEL}.input", select=(1, "key"), heads="head_dim", batch=False)
-    def attention_keys(self, value) -> Heads:
+    def attention_keys(self, value) -> KeyValueHeads:
         """This step's keys as the attention layer receives them, [1, tokens, kv_heads, head_dim]."""
         return value
 
     @Flat("{KERNEL}.input", select=(2, "value"), heads="head_dim", batch=False)
-    def attention_values(self, value) -> Heads:
+    def attention_values(self, value) -> KeyValueHeads:
         """This step's values as the attention layer receives them, [1, tokens, kv_heads, head_dim]."""
         return value
 

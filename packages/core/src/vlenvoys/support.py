@@ -17,11 +17,9 @@ __all__ = ["Support", "Row", "support"]
 #: Layout names (a value's annotation) as shapes: T tokens, H hidden, I intermediate,
 #: n query heads, k key/value heads, d head width, E experts, K experts per token.
 SHAPES = {
-    "Residual": "[1, T, H]", "Heads": "[1, T, n, d]", "Neurons": "[1, T, I]", "Pattern": "[1, n, T, T]",
-    "Experts": "[1, T, E]", "Routes": "[1, T, K]",
+    "Residual": "[1, T, H]", "Heads": "[1, T, n, d]", "KeyValueHeads": "[1, T, k, d]", "Neurons": "[1, T, I]",
+    "Pattern": "[1, n, T, T]", "Experts": "[1, T, E]", "Routes": "[1, T, K]",
 }
-#: Values of layout Heads with one head per key/value head (k of them), not per query head.
-KEY_VALUE_HEADS = {"attention_keys": "[1, T, k, d]", "attention_values": "[1, T, k, d]"}
 #: Named reasons by their text, for the `code` column.
 CODES = {getattr(errors, name): name for name in ("DECODE_STEP", "GATED", "ROUTED", "NOT_ROUTED", "FUSED_ROUTING", "PARALLEL")}
 
@@ -32,13 +30,13 @@ class Row:
 
     envoy: str  #: "model", "layer", "attention" or "mlp"
     value: str
-    layout: str  #: the layout's name (Residual, Heads, Neurons, Pattern)
+    layout: str  #: the layout's name (Residual, Heads, KeyValueHeads, Neurons, Pattern, Experts, Routes)
     available: bool
     note: str  #: the reason it is unavailable, or a restriction ("prefill only")
 
     @property
     def shape(self) -> str:
-        return KEY_VALUE_HEADS.get(self.value) or SHAPES.get(self.layout, self.layout)
+        return SHAPES.get(self.layout, self.layout)
 
     @property
     def code(self) -> str:

@@ -27,6 +27,7 @@ __all__ = [
     "Experts",
     "Flat",
     "Heads",
+    "KeyValueHeads",
     "Located",
     "Neurons",
     "Pattern",
@@ -46,8 +47,11 @@ __all__ = [
 
 #: ``[1, tokens, hidden_size]``: the residual stream, or what a sublayer adds to it.
 Residual = NewType("Residual", torch.Tensor)
-#: ``[1, tokens, heads, head_dim]``: one row per head.
+#: ``[1, tokens, heads, head_dim]``: one row per query head.
 Heads = NewType("Heads", torch.Tensor)
+#: ``[1, tokens, key_value_heads, head_dim]``: one row per key/value head (fewer than the query heads under
+#: grouped-query attention: each serves a group of them).
+KeyValueHeads = NewType("KeyValueHeads", torch.Tensor)
 #: ``[1, tokens, intermediate_size]``: the MLP's hidden units.
 Neurons = NewType("Neurons", torch.Tensor)
 #: ``[1, heads, query, key]``: one score or weight per head, query token and key token.
