@@ -326,7 +326,8 @@ def test_bad_inputs_are_refused_and_the_engine_goes_on(subject, full_run, tmp_pa
     # A shard_tokens beyond the run's max_tokens takes the memory of the windows the run collects.
     capped = collect_dataset(model, source, tmp_path / "q", "layer_output", [0], context_length=CONTEXT, shard_tokens=2**60,
                              max_tokens=2 * CONTEXT, dtype="float32", progress=False)
-    assert torch.equal(rows(capped.folder)["layer_output.0"], rows(folder)["layer_output.0"][: 2 * CONTEXT])
+    # The same windows in other batches: bit-identical on the CPU engine, within the bound on a GPU's batch-shaped kernels.
+    assert same_rows(rows(capped.folder)["layer_output.0"], rows(folder)["layer_output.0"][: 2 * CONTEXT], subject)
     with pytest.raises(ValueError, match="is a folder of activation shards .collect_dataset's output., not a corpus"):
         collect_dataset(model, folder, tmp_path / "j", "layer_output", [0], context_length=CONTEXT, progress=False)
     (tmp_path / "plain-folder").mkdir()
@@ -342,7 +343,7 @@ def test_bad_inputs_are_refused_and_the_engine_goes_on(subject, full_run, tmp_pa
 
 @on_tiny_llama
 def test_a_saved_dataset_is_a_source(subject, full_run, tmp_path):
-    import datasets
+    datasets = pytest.importorskip("datasets", reason="the datasets extra (vlenvoys-core[datasets]) is not installed")
 
     folder, _, _, _ = full_run
     saved = tmp_path / "saved"
