@@ -112,7 +112,7 @@ def test_shards_equal_transformers_and_collect(subject, full_run):
 @on_tiny_llama
 def test_the_worker_counts_the_time_collections_take(subject, full_run):
     """`vlenvoys.collector.stats`, for benchmarks: hooks and takes grow with a collection; the copies off the
-    device are timed on a GPU engine only (a CPU engine's copies are part of its forward)."""
+    device are timed by CUDA events on a GPU engine only (a CPU engine copies in the hook, counted there)."""
     _, _, _, cut = full_run
     engine = subject.model.vllm_entrypoint.llm_engine
     (before,) = engine.collective_rpc("vlenvoys_collect_stats")
@@ -386,7 +386,7 @@ def test_windows_hold_the_tokenizers_own_ids(which, tmp_path):
     other scripts and whitespace; a tokenizer whose call prepares text in Python is called as it is."""
     from transformers import AutoTokenizer
 
-    from vlenvoys.activations import _Tokenizing
+    from vlenvoys.activations import CHECKED_TEXTS, _Tokenizing
     from vlenvoys.weights import WeightsUnavailable, smollm2_path
 
     if which == "tiny":
@@ -397,14 +397,15 @@ def test_windows_hold_the_tokenizers_own_ids(which, tmp_path):
         except WeightsUnavailable as error:
             pytest.skip(str(error))
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    texts = AWKWARD + CORPUS
+    texts = CORPUS * 4 + AWKWARD  # the awkward ones after the texts the check tokenizes both ways
+    assert sum(map(bool, CORPUS * 4)) >= CHECKED_TEXTS
     assert list(windows(texts, tokenizer, CONTEXT)) == packed(texts, tokenizer, CONTEXT)
     split = AutoTokenizer.from_pretrained(folder, split_special_tokens=True)
     assert list(windows(texts, split, CONTEXT)) == packed(texts, split, CONTEXT)
     for each in (tokenizer, split):
         tokenizing = _Tokenizing(each)
         assert tokenizing(texts) == each(texts, add_special_tokens=False)["input_ids"] and tokenizing.direct
-        assert tokenizing.rust(texts) == each(texts, add_special_tokens=False)["input_ids"]  # beyond the checked texts
+        assert tokenizing(AWKWARD) == each(AWKWARD, add_special_tokens=False)["input_ids"]  # after the check
 
     class Lowercasing(type(tokenizer)):
         """Prepares each text in Python before its Rust tokenizer sees it."""
@@ -414,8 +415,22 @@ def test_windows_hold_the_tokenizers_own_ids(which, tmp_path):
 
     lowercasing = Lowercasing.from_pretrained(folder)
     assert list(windows(texts, lowercasing, CONTEXT)) == packed(texts, lowercasing, CONTEXT)
+    # Its class defines __call__ itself: called as it is from the start, even on texts the Rust tokenizer gets right.
     tokenizing = _Tokenizing(lowercasing)
-    assert tokenizing(["A Capital"]) == lowercasing(["A Capital"], add_special_tokens=False)["input_ids"] and tokenizing.direct is False
+    assert tokenizing.direct is False and tokenizing(["lower case"]) == lowercasing(["lower case"], add_special_tokens=False)["input_ids"]
+    # A Rust tokenizer that differs on the checked texts (here: lowercasing them) is dropped for the call.
+    from tokenizers import normalizers
+
+    tokenizing = _Tokenizing(tokenizer)
+    tokenizing.own.normalizer = normalizers.Lowercase()
+    assert tokenizing(["A Capital", *texts]) == tokenizer(["A Capital", *texts], add_special_tokens=False)["input_ids"]
+    assert tokenizing.direct is False
+    # vLLM's wrappers only delegate: the engine's own tokenizer takes the Rust path.
+    from vllm.tokenizers.hf import get_cached_tokenizer, maybe_make_thread_pool
+
+    wrapped = maybe_make_thread_pool(get_cached_tokenizer(AutoTokenizer.from_pretrained(folder)))
+    tokenizing = _Tokenizing(wrapped)
+    assert tokenizing(texts) == tokenizer(texts, add_special_tokens=False)["input_ids"] and tokenizing.direct
 
 
 def test_collect_command_writes_shards(tmp_path):

@@ -69,7 +69,7 @@ ROW_KEYS = ("token_ids", "window", "position")
 FORMAT = "vlenvoys-activations/1"
 #: Documents tokenized per call of the tokenizer (a fast tokenizer batches them across threads).
 TOKENIZED_AT_ONCE = 256
-#: Texts tokenized both by the tokenizer and by its Rust tokenizer alone before the second is trusted (`_Tokenizing`).
+#: Non-empty texts tokenized both by the tokenizer and by its Rust tokenizer alone before the second is trusted (`_Tokenizing`).
 CHECKED_TEXTS = 32
 #: The interpreter's switch interval while a dataset is collected, in seconds (Python's default: 0.005).
 #: A thread that gives the GIL up (a torch call, a read, a wait on the engine) waits up to this long to
@@ -215,6 +215,21 @@ def windows(texts: Iterable[str], tokenizer: Any, context_length: int, *, bos: b
         del stream[:cut]
 
 
+#: A tokenizer's call path: where a class defines one of these outside transformers' shared tokenizer code
+#: (and vLLM's wrappers, which delegate), it may prepare text in Python, and `_Tokenizing` calls it as it is.
+_CALL_PATH = ("__call__", "_call_one", "_encode_plus", "_batch_encode_plus", "encode", "tokenize", "prepare_for_tokenization")
+
+
+def _shared_call_path(tokenizer: Any) -> bool:
+    """Whether every method of ``tokenizer``'s call path is transformers' shared code or a vLLM wrapper's."""
+    for name in _CALL_PATH:
+        owner = next((cls for cls in type(tokenizer).__mro__ if name in vars(cls)), None)
+        module = getattr(owner, "__module__", "") or ""
+        if owner is not None and not module.startswith(("transformers.tokenization_utils", "vllm.")):
+            return False
+    return True
+
+
 class _Tokenizing:
     """Texts to their token ids without special tokens: ``tokenizer``'s call, made cheaper where it gives the same ids.
 
@@ -224,20 +239,27 @@ class _Tokenizing:
     A private copy of the Rust tokenizer, set as the call sets it (no
     truncation, no padding, special tokens split as ``split_special_tokens``
     says), gives the same ids with the GIL held only to make each text's
-    list. The first `CHECKED_TEXTS` texts are tokenized both ways; a
-    tokenizer whose ids differ there (one that prepares its text in Python)
-    is called as it is from then on (``direct`` False).
+    list. It is used only where the tokenizer's call path is transformers'
+    shared code (`_shared_call_path`: no subclass prepares text in Python)
+    and the Rust tokenizer copies (a custom Python pre-tokenizer does not);
+    the first `CHECKED_TEXTS` non-empty texts are also tokenized both ways,
+    and a difference there calls the tokenizer as it is from then on.
+    ``direct``: whether the copy is used (None while the check goes on).
     """
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        #: None until the first texts decide; then whether the Rust tokenizer alone is used.
         self.direct: bool | None = None
+        self.checked = 0  # non-empty texts tokenized both ways, the same
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        if backend is None or not hasattr(backend, "encode_batch_fast"):
+        if backend is None or not hasattr(backend, "encode_batch_fast") or not _shared_call_path(tokenizer):
             self.direct = False
             return
-        self.own = copy.deepcopy(backend)  # its settings are its own: the tokenizer's stay as they were
+        try:
+            self.own = copy.deepcopy(backend)  # its settings are its own: the tokenizer's stay as they were
+        except Exception:  # a custom Python component does not pickle, and so does not copy
+            self.direct = False
+            return
         self.own.no_truncation()
         self.own.no_padding()
         self.own.encode_special_tokens = bool(getattr(tokenizer, "split_special_tokens", False))
@@ -249,10 +271,21 @@ class _Tokenizing:
         return [encoding.ids for encoding in self.own.encode_batch_fast(texts, add_special_tokens=False)]
 
     def __call__(self, texts: list[str]) -> list[list[int]]:
+        if self.direct is False:
+            return self.called(texts)
+        ids = self.rust(texts)
         if self.direct is None:
-            checked = texts[:CHECKED_TEXTS]
-            self.direct = self.rust(checked) == self.called(checked)
-        return self.rust(texts) if self.direct else self.called(texts)
+            count, end = 0, 0  # the texts checked now: those up to the last non-empty one still wanted
+            for end, text in enumerate(texts, start=1):
+                count += bool(text)
+                if self.checked + count >= CHECKED_TEXTS:
+                    break
+            if ids[:end] != self.called(texts[:end]):
+                self.direct = False
+                return self.called(texts)
+            self.checked += count
+            self.direct = True if self.checked >= CHECKED_TEXTS else None
+        return ids
 
 
 def _begin_token(tokenizer: Any) -> int | None:
@@ -655,7 +688,7 @@ class _Assembler:
         shard = {key: buffer[:rows] for key, buffer in buffers.items()}
         # Built with numpy from the kept runs, the ids read once from their lists: this runs beside the
         # engine-driving thread and holds the GIL throughout (a tensor per window cost a second per 1e6
-        # tokens on an H200's host; Python lists of every position and window, 10 us a window here).
+        # tokens on an H200's host, and Python lists of every position and window 10 us a window on the CPU).
         pieces = [(index, start, stop) for index, (_, runs, _) in zip(windows, placed) for start, stop in runs]
         table = numpy.array(pieces, dtype=numpy.int64).reshape(-1, 3)  # window, start, stop
         lengths = table[:, 2] - table[:, 1]

@@ -84,8 +84,9 @@ def eligible(model: Any, reads: Sequence[Read]) -> str | None:
 class Spent:
     """Worker side: time its collections took from the forward and the engine, for benchmarks (`stats`).
 
-    ``hooks``: seconds in the hooks (slicing a step's rows, queueing their copy,
-    making a chunk where none is free). ``takes``: seconds answering takes,
+    ``hooks``: seconds in the hooks (slicing a step's rows, copying them off the
+    device, which a CPU engine does there and a GPU queues, making a chunk
+    where none is free). ``takes``: seconds answering takes,
     which the engine's process waits for between two steps. ``copies``: on a
     GPU, seconds the copies off the device took on the forward's own stream
     (the kernels after each waited for it), timed by CUDA events and counted
@@ -97,14 +98,14 @@ class Spent:
         self.timed: list[tuple[Any, Any]] = []  # (event before a copy, event after it), not yet counted
 
     def count_copies(self) -> None:
-        """Add the copies whose end has passed on the device to ``copies``."""
-        left = []
+        """Add the copies whose end has passed on the device to ``copies`` (they pass in order: one stream)."""
+        passed = 0
         for begun, ended in self.timed:
-            if ended.query():
-                self.copies += begun.elapsed_time(ended) / 1000
-            else:
-                left.append((begun, ended))
-        self.timed = left
+            if not ended.query():
+                break
+            self.copies += begun.elapsed_time(ended) / 1000
+            passed += 1
+        del self.timed[:passed]
 
     def seconds(self) -> dict[str, float]:
         self.count_copies()
@@ -249,10 +250,10 @@ class Collector:
         """
         began = time.perf_counter()
         try:
+            self.spent.count_copies()
             return self._take(requests)
         finally:
             self.spent.takes += time.perf_counter() - began
-            self.spent.count_copies()
 
     def _take(self, requests: Sequence[str]) -> dict[str, Any]:
         # The client maps each handover before it calls again: what it was given before may be reused.
@@ -306,6 +307,7 @@ class Collector:
         self.handles.clear()
         if self.arena.device_copies:
             torch.cuda.current_stream().synchronize()  # no copy may still be writing into a chunk let go
+            self.spent.count_copies()
         self.arena.release([piece for values in self.rows.values() for each in values.values() for piece in each])
         self.arena.acknowledge(self.name)  # the client stops after it has mapped every handover
         self.prompts.clear()
