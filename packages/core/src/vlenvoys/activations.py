@@ -692,7 +692,7 @@ class _Assembler:
         pieces = [(index, start, stop) for index, (_, runs, _) in zip(windows, placed) for start, stop in runs]
         table = numpy.array(pieces, dtype=numpy.int64).reshape(-1, 3)  # window, start, stop
         lengths = table[:, 2] - table[:, 1]
-        ids = itertools.chain.from_iterable(placed[index - self.start][0][start:stop] for index, start, stop in pieces)
+        ids = itertools.chain.from_iterable(tokens[start:stop] for tokens, runs, _ in placed for start, stop in runs)
         shard["token_ids"] = torch.from_numpy(numpy.fromiter(ids, dtype=numpy.int32, count=rows))
         # A row's position: its start's, plus how far into its run it lies.
         offsets = numpy.repeat(numpy.cumsum(lengths) - lengths - table[:, 1], lengths)
