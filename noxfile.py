@@ -124,7 +124,7 @@ def lens(session: nox.Session) -> None:
 
 @nox.session(requires=["bench_nnterp"])
 def bench(session: nox.Session) -> None:
-    """Benchmarks on the real SmolLM2: benchmarks/results.md and results.png (with bench_nnterp's rows), results-datasets-cpu.md, results-serve-cpu.md."""
+    """Benchmarks on the real SmolLM2, into benchmarks/results/: results.md and results.png (with bench_nnterp's rows), results-datasets-cpu.md, results-serve-cpu.md."""
     install(session, "packages/family-llama", real_model=True)
     session.install("tabulate", "psutil")
     # Not skipped by `nox -R`: a reused environment still benchmarks this checkout's code.
@@ -134,6 +134,19 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/datasets.py", env=ENV)
     # vlenvoys serve against vllm serve: concurrent completions over HTTP, plain and steered.
     session.run("python", "benchmarks/serve.py", env=ENV)
+
+
+@nox.session
+def gate(session: nox.Session) -> None:
+    """The speed gate (benchmarks/gate.py): on one GPU (VLENVOYS_ENGINE=cuda), fails on any row under its floor.
+
+    Writes benchmarks/results/gate-<commit>-<card>.json. `nox -s gate -- --smoke` runs it on the CPU engine.
+    """
+    install(session, "packages/family-llama")
+    session.install("psutil", "tabulate")
+    # Not skipped by `nox -R`: a reused environment still measures this checkout's code.
+    session.run("pip", "install", "--quiet", "--no-deps", "--force-reinstall", "packages/core", "packages/family-llama")
+    session.run("python", "benchmarks/gate.py", *session.posargs, env=ENV)
 
 
 @nox.session

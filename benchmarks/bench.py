@@ -1,14 +1,14 @@
 """Benchmarks: what vlenvoys costs and what it buys, measured side by side in one run.
 
 Runs on the built-in SmolLM2-135M-Instruct (float32) on vLLM's engine and
-writes benchmarks/results.md (medians and ratios) and benchmarks/results.png.
+writes benchmarks/results/results.md (medians and ratios) and results.png.
 Run with `nox -s bench`. Timings are wall-clock medians over repeats; every
 row's ratio compares runs made in this process, on this machine, minutes apart.
 
 Where torch sees a CUDA device (or with --gpu) it runs the CUDA suite instead:
 a random Llama of a 1B model's shape in bfloat16, on plain vLLM (CUDA graphs,
 eager), the vlenvoys engine, raw nnsight and nnsight's taps=, one engine at a
-time, writing benchmarks/results-h200.md and results-h200.json.
+time, writing benchmarks/results/results-h200.md and results-h200.json.
 """
 
 from __future__ import annotations
@@ -238,7 +238,7 @@ def steered(model, texts, vector, layer, tokens=32, batch=32):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--repeats", type=int, help="timed runs per measurement after a warm-up (3; CUDA suite 2)")
     parser.add_argument("--quick", action="store_true", help="fewer prompts, for a smoke run")
     parser.add_argument("--only", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6], help="sections to run (CPU suite)")

@@ -22,7 +22,7 @@ For each corpus size (tokens of windows) it measures, on one engine:
 On the CPU: the built-in SmolLM2-135M (float32). Where torch sees a GPU:
 bench.py's random Llama of a 1B shape in bfloat16. Run with ``nox -s bench``
 (CPU sizes) or ``python benchmarks/datasets.py --tokens 1e4 1e5 1e6``.
-Writes benchmarks/results-datasets-TAG.md and .json.
+Writes benchmarks/results/results-datasets-TAG.md and .json.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def main() -> None:
     parser.add_argument("--context-length", type=int, default=128, help="tokens per window (128, as SAE training code uses)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each side below 1e5 tokens (one above)")
     parser.add_argument("--tag", help="results-datasets-TAG.* (default cpu, or h200 on a GPU)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--folder", type=Path, help="where the shards go (a temporary folder, removed after each run)")
     parser.add_argument("--warm-windows", type=int,
                         help="windows of the warm-up collection (default: three times the windows in flight on a GPU, 8 on the CPU)")

