@@ -25,7 +25,8 @@ Writes ``benchmarks/results/gate-<commit>-<card>.json`` (keys ``commit``,
 and ``passed``) and exits 1 naming every row under its floor; the floors live
 in ``benchmarks/floors.toml``, one table per card (``[default]`` for a card
 without one). ``--report FILE`` writes README's and docs' speed table from a
-gate's JSON instead of measuring. ``--smoke`` runs the same code on the CPU
+gate's JSON instead of measuring; ``--judge FILE`` holds a result to the
+floors as they are now (after a change to floors.toml). ``--smoke`` runs the same code on the CPU
 engine with a tiny model and small workloads (figures meaningless, floors not
 applied): a check that the gate itself works.
 """
@@ -424,22 +425,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--floors", type=Path, default=FLOORS, help="the floors (benchmarks/floors.toml)")
     parser.add_argument("--report", type=Path, metavar="JSON",
                         help="write README's and docs/speed.md's speed table from this gate result, measure nothing")
+    parser.add_argument("--judge", type=Path, metavar="JSON",
+                        help="hold this gate result to the floors as they are now (after floors.toml changed), measure nothing")
     args = parser.parse_args(argv)
     if args.report is not None:
         report(args.report.resolve())
         return 0
-    sys.path.insert(0, str(HERE))  # bench.py, serve.py and workloads.py beside this file
-    result = measure(args)
-    floors, table = floors_for(result["card"], args.floors) if not args.smoke else ({}, None)
+    if args.judge is not None:
+        path, result = args.judge, json.loads(args.judge.read_text())
+    else:
+        sys.path.insert(0, str(HERE))  # bench.py, serve.py and workloads.py beside this file
+        result = measure(args)
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / f"gate-{result['commit'].replace('+', '-')}-{result['card']}{'-smoke' if result['smoke'] else ''}.json"
+    floors, table = floors_for(result["card"], args.floors) if not result["smoke"] else ({}, None)
     result["rows"], under = judged(result["rows"], floors)
     result["floors"] = table
     result["under_floor"] = under
     result["passed"] = not under
-    args.out.mkdir(parents=True, exist_ok=True)
-    name = f"gate-{result['commit'].replace('+', '-')}-{result['card']}{'-smoke' if args.smoke else ''}.json"
-    (args.out / name).write_text(json.dumps(result, indent=1) + "\n")
-    print(render(result, (args.out / name).as_posix()))
-    print(f"wrote {args.out / name}")
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(render(result, path.as_posix()))
+    print(f"wrote {path}")
     if under:
         print("under their floors: " + ", ".join(f"{row} ({result['rows'][row]['ratio']:.3f} < {result['rows'][row]['floor']})"
                                                   for row in under), file=sys.stderr)

@@ -76,7 +76,8 @@ class StandardizedVLLM(VLLM):
         # nnsight's own worker refuses vLLM's CPU runner; pick ours by platform.
         self._WORKER_CLS = worker_class()
         _spawn_on_a_gpu()
-        with engine_named() as name:  # its workers' row files are named for it: `shutdown` waits for them to go
+        # Its workers' row files are named for it (`shutdown` waits for them to go); a Ctrl-C stops the caller alone.
+        with engine_named() as name, interrupts_stay_with_the_caller():
             self._engine_name = name
             return super()._load(repo_id, **kwargs)
 
@@ -706,6 +707,54 @@ def load(model: str | os.PathLike | None = None, *, cuda_graphs: bool = False, *
     loaded._built_keys = {}
     loaded._built_keys.update((envoy.path, frozenset(envoy.__dict__)) for envoy in loaded.modules())
     return loaded
+
+
+#: True while `interrupts_stay_with_the_caller` starts an engine (read in a forked child, see `_own_group`).
+_STARTING_ENGINE = False
+
+
+@contextlib.contextmanager
+def interrupts_stay_with_the_caller() -> Iterator[None]:
+    """Start vLLM's engine processes inside the block in a process group of their own: an interrupt stops the caller alone.
+
+    A terminal's Ctrl-C (and Jupyter's interrupt) sends SIGINT to the whole
+    foreground process group, and vLLM's engine core and workers shut down on
+    it: the caller's next call raised ``EngineDeadError``. An engine process
+    started here leads a process group of its own (its workers join it), so
+    the interrupt reaches the caller alone, where it is a KeyboardInterrupt;
+    the engine stops on `shutdown` or the caller's exit, as before. Neither a
+    blocked nor an ignored SIGINT would do: a spawned child starts with an
+    empty signal mask, and vLLM's processes set their own SIGINT handlers.
+
+    A spawned process (vLLM's default where CUDA is set up, and the CPU
+    engine's) runs ``os.setpgid(0, 0)`` first in its command line; a forked
+    one at fork (`_own_group`).
+    """
+    global _STARTING_ENGINE
+    from multiprocessing import spawn
+
+    command_line = spawn.get_command_line
+
+    def own_group(**kwargs: Any) -> list[str]:
+        line = command_line(**kwargs)
+        program = line.index("-c") + 1
+        line[program] = f"import os; os.setpgid(0, 0); {line[program]}"
+        return line
+
+    spawn.get_command_line, _STARTING_ENGINE = own_group, True
+    try:
+        yield
+    finally:
+        spawn.get_command_line, _STARTING_ENGINE = command_line, False
+
+
+def _own_group() -> None:
+    if _STARTING_ENGINE:  # a child forked while an engine starts: vLLM's engine core
+        os.setpgid(0, 0)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_own_group)
 
 
 def _spawn_on_a_gpu() -> None:

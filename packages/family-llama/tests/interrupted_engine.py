@@ -1,0 +1,77 @@
+"""Run by test_llama_interrupts.py in a process group of its own: long work, interrupted by the test, then checked.
+
+    python interrupted_engine.py CHECKPOINT FOLDER
+
+For each kind of work it prints ``start KIND``, runs it until the test's SIGINT to the whole group
+(a terminal's Ctrl-C) raises KeyboardInterrupt here, prints ``interrupted KIND SECONDS`` (from the
+signal to the exception), then collects a few prompts and prints ``alive KIND`` if their values
+equal the same prompts' collected before any interrupt.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+SIGNALLED: list[float] = []
+
+
+def main() -> None:
+    import torch
+    from vllm import SamplingParams
+
+    import vlenvoys
+    from vlenvoys.activations import collect_dataset
+    from vlenvoys.collect import collect
+
+    checkpoint, folder = sys.argv[1], Path(sys.argv[2])
+    previous = signal.getsignal(signal.SIGINT)
+
+    def noted(signum, frame):  # when the signal came, then Python's own KeyboardInterrupt
+        SIGNALLED.append(time.perf_counter())
+        previous(signum, frame)
+
+    signal.signal(signal.SIGINT, noted)
+    model = vlenvoys.load(checkpoint, enable_prefix_caching=False)
+    few = [[5, 17, 33, 8, 91, 4], [7, 7, 12, 250, 3]]
+    before = collect(model, few, "layer_output", [0, 2])
+    many = [[3 + (number * 7 + place) % 400 for place in range(200)] for number in range(4000)]
+    words = "the quick brown fox jumps over a lazy dog while seven tired sailors sing".split()
+    texts = [" ".join(words[(number + place) % len(words)] for place in range(300)) for number in range(4000)]
+
+    def trace() -> None:
+        for _ in range(100):
+            with model.trace(temperature=0.0, max_tokens=8) as tracer:
+                saved = list().save()
+                for prompt in many[:32]:
+                    with tracer.invoke({"prompt_token_ids": prompt}):
+                        saved.append(model.layers[1].layer_output)
+
+    work = {
+        "collect": lambda: collect(model, many, "layer_output", [0, 1, 2]),
+        "trace": trace,
+        "collect_dataset": lambda: collect_dataset(model, texts, folder / "acts", "layer_output", [1], context_length=64,
+                                                   progress=False),
+        "generate": lambda: vlenvoys.generate(model, many, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True),
+                                              steering=vlenvoys.Steering(1, torch.ones(model.hidden_size)), use_tqdm=False),
+    }
+    for kind in sys.argv[3:] or work:
+        SIGNALLED.clear()
+        print(f"start {kind}", flush=True)
+        try:
+            work[kind]()
+            print(f"finished {kind}", flush=True)  # the test's signal came too late: it fails on this
+        except KeyboardInterrupt:
+            print(f"interrupted {kind} {time.perf_counter() - SIGNALLED[0]:.3f}", flush=True)
+        after = collect(model, few, "layer_output", [0, 2])
+        same = all(torch.equal(a, b) for key in before for a, b in zip(before[key], after[key], strict=True))
+        print(f"{'alive' if same else 'changed'} {kind}", flush=True)
+    vlenvoys.shutdown(model)
+
+
+if __name__ == "__main__":
+    main()

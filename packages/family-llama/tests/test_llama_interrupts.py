@@ -1,0 +1,65 @@
+"""A terminal's Ctrl-C stops the caller's work, never the engine (#46 item 1).
+
+A terminal (and a shell's job control) sends SIGINT to the whole foreground process group; vLLM's
+engine processes used to be in it and shut down, and the next call raised EngineDeadError. Here a
+script in a process group of its own (`interrupted_engine.py`) runs each kind of long work, the test
+signals its whole group while the work runs, and the script must get a KeyboardInterrupt, then
+collect values equal to those it collected before, on the same engine.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from vlenvoys.testing import tiny_model
+
+KINDS = ["collect", "trace", "collect_dataset", "generate"]
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory) -> dict[str, list[str]]:
+    """The script's lines per kind of work, each interrupted by SIGINT to the script's whole process group."""
+    folder = tmp_path_factory.mktemp("interrupts")
+    checkpoint = tiny_model("LlamaForCausalLM", folder / "tiny", max_position_embeddings=512)
+    script = Path(__file__).with_name("interrupted_engine.py")
+    process = subprocess.Popen([sys.executable, str(script), str(checkpoint), str(folder), *KINDS], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                               env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+    killer = threading.Timer(600, lambda: os.killpg(process.pid, signal.SIGKILL))
+    killer.start()
+    lines: dict[str, list[str]] = {kind: [] for kind in KINDS}
+    log = []
+    try:
+        for line in process.stdout:
+            log.append(line)
+            # The script's own lines; a progress bar may have left no newline before one.
+            for found in re.finditer(rf"\b(start|interrupted|finished|alive|changed) ({'|'.join(KINDS)})\b( [0-9.]+)?", line):
+                lines[found.group(2)].append(found.group(0))
+                if found.group(1) == "start":
+                    time.sleep(2.0)  # well into the work
+                    os.killpg(process.pid, signal.SIGINT)  # the whole group, as a terminal's Ctrl-C
+        process.wait(60)
+    finally:
+        killer.cancel()
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 0, "".join(log[-60:])
+    return lines
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_interrupt_of_the_whole_process_group_leaves_the_engine_serving(interrupted, kind):
+    lines = interrupted[kind]
+    assert lines[0] == f"start {kind}"
+    assert lines[1].startswith(f"interrupted {kind} "), f"the work was not interrupted: {lines}"
+    assert lines[2] == f"alive {kind}", f"after the interrupt the engine gave other values, or none: {lines}"
+    print(f"{kind}: the KeyboardInterrupt came {float(lines[1].split()[-1]):.3f} s after the signal")
