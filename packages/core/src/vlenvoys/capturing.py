@@ -18,6 +18,29 @@ Python: ``torch.frombuffer(bytearray(base64.b64decode(data)),
 dtype=torch.float32).view(shape)``, which `decode` does for any of the dtypes;
 numpy reads float32 and float16 the same way (``numpy.frombuffer(...).reshape(shape)``).
 
+A request chooses how its values come back with a top-level
+``capture_transport``: ``"inline"`` (the default, also for ``null``) as
+above, or ``"fetch"``, binary, which spares both sides base64 and JSON of
+the values: each entry then carries no ``data`` but the capture's ``id`` and
+``url``, ``"/v1/captures/{id}"``, one for all entries of a response::
+
+    {"value": "layer_output", ..., "dtype": "float32", "shape": [2, 7, 128],
+     "id": "5f0c...", "url": "/v1/captures/5f0c..."}
+
+``GET`` of that url on the same server (behind ``--api-key``, as every
+``/v1`` path) answers the values as a safetensors file
+(``application/octet-stream``), one tensor per entry, named by its
+``value``, of the entry's ``shape`` and ``dtype``, and forgets them: a
+capture is served once. The server holds each capture until its fetch, for
+``vlenvoys serve --capture-ttl`` seconds at most (`HELD_SECONDS` by default),
+and ``--capture-held-bytes`` of values in all (`HELD_BYTES`): a new capture
+drops the oldest unfetched ones it needs room for; one larger than that alone
+is a 400 (its completion not returned). A fetch of a capture not held is a
+404 that says why: fetched already, expired, dropped for room, or never held
+here. In Python, `fetch` (`fetch_async` under asyncio) gives a response's
+values, fetched or inline, as the tensors `decode` gives. Any other
+``capture_transport`` is a 400 before the request reaches the engine.
+
 ``positions`` counts the sequence as steering does: ``"prompt"`` (default; the
 prefill's rows, positions 0 to ``prompt_tokens - 1``), ``"generated"`` (the
 decode steps' rows: generated token ``k``, counted from 0, sits at

@@ -37,7 +37,9 @@ salt. A field the model cannot take is a 400 naming the reason
 the engine; the server goes on serving.
 
 A request may also capture standard values of its prompt (a ``capture``
-field, returned in the response's ``capture``): see `vlenvoys.capturing`.
+field, returned in the response's ``capture``, or held for one binary fetch at
+``GET /v1/captures/{id}`` with ``"capture_transport": "fetch"``): see
+`vlenvoys.capturing`.
 
 A steered row the engine
 still finds non-finite (the checks here bound the scaled vector as
