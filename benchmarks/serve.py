@@ -55,7 +55,8 @@ FIELDS = {
 async def completions(url: str, model: str, texts: list[str], tokens: int, every: int, kind: str = "plain") -> int:
     """All ``texts`` at once, greedy, ``tokens`` each; every ``every``-th does ``kind`` (`FIELDS`; 0: none). Tokens generated.
 
-    A capturing request's values are read into tensors as a client would: fetched or decoded (`vlenvoys.capturing.fetch_async`).
+    A capturing request's values are read into tensors as a client would: fetched or decoded
+    (`vlenvoys.capturing.fetch_async`).
     """
     import httpx
     from openai import AsyncOpenAI
@@ -136,7 +137,8 @@ def main() -> None:
             "vlenvoys serve, half steered": ("vlenvoys", 2, "steered"),
             "vlenvoys serve, every request capturing (2 blocks' stream, every prompt position), fetched": (
                 "vlenvoys", 1, "capturing"),
-            "vlenvoys serve, every request capturing the same, inline (base64 in the JSON)": ("vlenvoys", 1, "capturing_inline"),
+            "vlenvoys serve, every request capturing the same, inline (base64 in the JSON)": (
+                "vlenvoys", 1, "capturing_inline"),
         }
         rates: dict[str, list[float]] = {name: [] for name in rows}
         for round_number in range(options.rounds + 1):

@@ -296,7 +296,8 @@ MALFORMED = [
      "capture_transport: expected 'inline' or 'fetch', got 'pigeon'"),
     ({"capture": {"value": "layer_output", "layers": 1}, "capture_transport": 1}, "capture_transport: expected"),
     ({"capture_transport": ["fetch"]}, "capture_transport: expected 'inline' or 'fetch', got ['fetch']"),
-    ({"capture": {"value": "layer_output", "layers": 1}, "capture_transprot": "fetch"}, "unknown field 'capture_transprot'"),
+    ({"capture": {"value": "layer_output", "layers": 1}, "capture_transprot": "fetch"},
+     "unknown field 'capture_transprot'"),
     ({"capture": {"value": "layer_output", "layers": "all", "positions": [0] * 700}, "capture_transport": "fetch"},
      "beyond the 1.0 MiB this server holds for fetching (--capture-held-bytes)"),
     ({"Steering": [{"layer": 1, "vector": "up"}]}, "unknown field 'Steering'"),
@@ -601,7 +602,8 @@ def test_fetched_values_equal_the_inline_ones_bit_for_bit(server, client, prompt
             assert torch.equal(tensor.view(torch.uint8), want.view(torch.uint8)), entry["value"]
         assert got[1].shape[1] == STEPS - 1 and got[2].shape[1] == 3
     # Inline entries are decoded where they are: no server is asked (none answers at this address).
-    assert all(torch.equal(tensor, decode(entry)) for tensor, entry in zip(fetch("http://127.0.0.1:9", inline), entries))
+    local = fetch("http://127.0.0.1:9", inline)
+    assert all(torch.equal(tensor, decode(entry)) for tensor, entry in zip(local, entries, strict=True))
 
 
 def test_a_capture_is_fetched_once_and_an_unknown_id_is_a_404(server, client):

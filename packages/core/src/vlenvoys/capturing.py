@@ -117,7 +117,7 @@ GONE_REMEMBERED = 1 << 16
 
 
 class CaptureGone(LookupError):
-    """A held capture that is not there (an HTTP 404 with this message): fetched already, expired, dropped, or unknown."""
+    """A held capture that is not there (an HTTP 404 with this message): fetched already, expired, dropped, unknown."""
 
 
 def transport_of(field: Any) -> str:
@@ -170,7 +170,7 @@ class Held:
         return name
 
     def take(self, name: str) -> bytes:
-        """The capture held as ``name``, as safetensors bytes (one tensor per entry, named by its value); no longer held.
+        """The capture held as ``name`` as safetensors bytes (a tensor per entry, named by its value); held no longer.
 
         Raises:
             CaptureGone: fetched already, expired, dropped for room, or never held here.
@@ -552,7 +552,8 @@ async def fetch_async(base_url: str, answer: Any, *, api_key: str | None = None,
 def _entries_of(answer: Any) -> list[dict]:
     if isinstance(answer, list):
         return answer
-    entries = answer.get("capture") if isinstance(answer, dict) else (getattr(answer, "model_extra", None) or {}).get("capture")
+    extra = answer if isinstance(answer, dict) else getattr(answer, "model_extra", None) or {}  # the openai client's
+    entries = extra.get("capture")
     if not isinstance(entries, list):
         raise KeyError("capture: the response has no 'capture' list (did its request carry a 'capture' field?)")
     return entries
@@ -591,7 +592,9 @@ def _tensors(entries: list[dict], got: dict[str, bytes]) -> list[torch.Tensor]:
         dtype = DTYPES[entry["dtype"]]
         if tensor is None or tensor.dtype != dtype or list(tensor.shape) != list(entry["shape"]):
             found = "nothing" if tensor is None else f"{tensor.dtype} {list(tensor.shape)}"
-            raise ValueError(f"capture {entry['value']!r}: fetched {found}, the entry says {entry['dtype']} {entry['shape']}")
+            raise ValueError(
+                f"capture {entry['value']!r}: fetched {found}, the entry says {entry['dtype']} {entry['shape']}"
+            )
         out.append(tensor)
     return out
 

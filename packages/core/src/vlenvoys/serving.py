@@ -474,7 +474,8 @@ class SteeringMiddleware:
                 from .capturing import transport_of
 
                 transport = transport_of(parsed["capture_transport"])  # a 400 before the engine, captured or not
-                new = {key: value for key, value in (parsed if new is None else new).items() if key != "capture_transport"}
+                new = dict(parsed if new is None else new)
+                del new["capture_transport"]
             if isinstance(parsed, dict) and "capture" in parsed:
                 new = dict(parsed if new is None else new)
                 if new["capture"] is None or new["capture"] == []:
@@ -527,7 +528,7 @@ class SteeringMiddleware:
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
     def _fetched(self, name: str) -> Any:
-        """A held capture's values as safetensors bytes, once (`vlenvoys.capturing.Held.take`); else a 404 saying why."""
+        """A held capture's values as safetensors bytes, once (`capturing.Held.take`); else a 404 saying why."""
         from starlette.responses import Response
 
         from .capturing import CaptureGone
