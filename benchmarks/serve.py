@@ -10,7 +10,11 @@ figure is the median of its rounds. Rows:
 - vlenvoys, steered: every request steers two blocks with a named vector;
 - vlenvoys, half steered: every other request does;
 - vlenvoys, capturing: every request also reads its prompt's residual stream
-  at two blocks back in the response (``capture``, float32, every prompt position).
+  at two blocks (``capture``, float32, every prompt position), held by the
+  server for the client to fetch as safetensors bytes (``capture_transport``
+  ``"fetch"``), which it does after each response (`vlenvoys.capturing.fetch_async`);
+- vlenvoys, capturing inline: the same values as base64 in the response's JSON,
+  decoded by the client (`vlenvoys.capturing.decode`).
 
 The ratio is each row's tokens/s over plain vLLM's. On the CPU: the
 built-in SmolLM2-135M in float32, both engines eager. Where torch sees a GPU:
@@ -43,25 +47,38 @@ from workloads import prompts
 FIELDS = {
     "plain": {},
     "steered": {"steering": [{"layer": 2, "vector": "bench", "factor": 2.0}, {"layer": 5, "vector": "bench", "factor": 2.0}]},
-    "capturing": {"capture": [{"value": "layer_output", "layers": [2, 5]}]},
+    "capturing": {"capture": [{"value": "layer_output", "layers": [2, 5]}], "capture_transport": "fetch"},
+    "capturing_inline": {"capture": [{"value": "layer_output", "layers": [2, 5]}]},
 }
 
 
 async def completions(url: str, model: str, texts: list[str], tokens: int, every: int, kind: str = "plain") -> int:
-    """All ``texts`` at once, greedy, ``tokens`` each; every ``every``-th does ``kind`` (`FIELDS`; 0: none). Tokens generated."""
-    from openai import AsyncOpenAI
+    """All ``texts`` at once, greedy, ``tokens`` each; every ``every``-th does ``kind`` (`FIELDS`; 0: none). Tokens generated.
 
-    async def one(client, number, text):
+    A capturing request's values are read into tensors as a client would: fetched or decoded
+    (`vlenvoys.capturing.fetch_async`).
+    """
+    import httpx
+    from openai import AsyncOpenAI
+    from vlenvoys.capturing import fetch_async
+
+    async def one(client, http, number, text):
         body = {"ignore_eos": True}
         if every and number % every == 0:
             body.update(FIELDS[kind])
         answer = await client.completions.create(
             model=model, prompt=text, max_tokens=tokens, temperature=0.0, extra_body=body
         )
+        if "capture" in body:
+            (values,) = await fetch_async(url, answer, client=http)
+            assert values.shape[0] == 2, values.shape
         return answer.usage.completion_tokens
 
-    async with AsyncOpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0, timeout=600) as client:
-        done = await asyncio.gather(*(one(client, number, text) for number, text in enumerate(texts)))
+    async with (
+        AsyncOpenAI(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0, timeout=600) as client,
+        httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=len(texts) + 1)) as http,
+    ):
+        done = await asyncio.gather(*(one(client, http, number, text) for number, text in enumerate(texts)))
     return sum(done)
 
 
@@ -118,7 +135,10 @@ def main() -> None:
             "vlenvoys serve, plain": ("vlenvoys", 0, "plain"),
             "vlenvoys serve, every request steered (2 blocks)": ("vlenvoys", 1, "steered"),
             "vlenvoys serve, half steered": ("vlenvoys", 2, "steered"),
-            "vlenvoys serve, every request capturing (2 blocks' stream, every prompt position)": ("vlenvoys", 1, "capturing"),
+            "vlenvoys serve, every request capturing (2 blocks' stream, every prompt position), fetched": (
+                "vlenvoys", 1, "capturing"),
+            "vlenvoys serve, every request capturing the same, inline (base64 in the JSON)": (
+                "vlenvoys", 1, "capturing_inline"),
         }
         rates: dict[str, list[float]] = {name: [] for name in rows}
         for round_number in range(options.rounds + 1):

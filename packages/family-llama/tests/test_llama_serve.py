@@ -26,6 +26,11 @@ anyio_classes_first()  # the openai client's anyio classes, defined under nnsigh
 on_llama = pytest.mark.parametrize("subject", ["LlamaForCausalLM"], indirect=True)
 KEY = "serve-test-key"
 STEPS = 6
+#: The server's hold on captures fetched later: seconds, and bytes (three captures of `BIG` fit, a fourth does not).
+HELD_SECONDS = 10
+HELD_BYTES = 1 << 20
+#: A capture of 307,200 bytes: the stream at the 3 blocks, 200 positions of 128 float32.
+BIG = {"value": "layer_output", "layers": "all", "positions": [0] * 200}
 #: A chat template for the tiny tokenizer, which has none.
 TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
 
@@ -47,6 +52,7 @@ def server(tmp_path_factory):
         "--api-key", KEY, "--max-model-len", "256",
         "--vectors", str(folder / "vectors.safetensors"), "--chat-template", str(folder / "chat.jinja"),
         "--served-model-name", "tiny", "--enable-scale-out",
+        "--capture-ttl", str(HELD_SECONDS), "--capture-held-bytes", str(HELD_BYTES),
         # On a GPU, beside the session's engine: a share as small as the test engines' (vlenvoys.oracle.engine).
         *(["--gpu-memory-utilization", "0.08", "--kv-cache-memory-bytes", str(1 << 30)] if torch.cuda.is_available() else []),
     ]
@@ -286,6 +292,14 @@ MALFORMED = [
     ({"capture": {"value": "layer_output", "layers": 1, "positions": [0] * 65537}}, "at most 65536 are served"),
     ({"capture": {"value": "layer_output", "layers": "all", "positions": [0] * 60000}}, "MiB of values, beyond the 64 MiB"),
     ({"vllm_xargs": {"vlenvoys_steer": "{}"}}, "is set by the server"),
+    ({"capture": {"value": "layer_output", "layers": 1}, "capture_transport": "pigeon"},
+     "capture_transport: expected 'inline' or 'fetch', got 'pigeon'"),
+    ({"capture": {"value": "layer_output", "layers": 1}, "capture_transport": 1}, "capture_transport: expected"),
+    ({"capture_transport": ["fetch"]}, "capture_transport: expected 'inline' or 'fetch', got ['fetch']"),
+    ({"capture": {"value": "layer_output", "layers": 1}, "capture_transprot": "fetch"},
+     "unknown field 'capture_transprot'"),
+    ({"capture": {"value": "layer_output", "layers": "all", "positions": [0] * 700}, "capture_transport": "fetch"},
+     "beyond the 1.0 MiB this server holds for fetching (--capture-held-bytes)"),
     ({"Steering": [{"layer": 1, "vector": "up"}]}, "unknown field 'Steering'"),
 ]
 
@@ -552,3 +566,112 @@ def test_a_steered_chat_captures_its_steered_run(subject, server, client):
     assert_same_values(decode(entry), want["layer_output", 2][0, -1:].unsqueeze(0), "steered, bfloat16", False)
     plain = traced_values(subject.model, ids, [("layer_output", 2)])["layer_output", 2][0, -1:]
     assert not torch.allclose(decode(entry).float()[0], plain, atol=0.1), "the steering must show in the capture"
+
+
+def captured(client, server, prompt, capture, transport=None, **extra):
+    """A greedy completion of ``STEPS`` tokens capturing ``capture``: the response."""
+    body = {"capture": capture, "ignore_eos": True, **({"capture_transport": transport} if transport else {}), **extra}
+    return client.completions.create(model=server["model"], prompt=prompt, max_tokens=STEPS, temperature=0.0,
+                                     extra_body=body)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fetched_values_equal_the_inline_ones_bit_for_bit(server, client, prompts, dtype):
+    """The prompt's, the decode steps' and listed positions' values, fetched as safetensors, equal the same
+    request's inline base64 ones bit for bit; the entries say the same but for ``data`` (inline) and ``id``/``url``."""
+    from vlenvoys.capturing import decode, fetch
+
+    capture = [{"value": "layer_output", "layers": "all", "dtype": dtype},
+               {"value": "mlp_output", "layers": [1], "positions": "generated", "dtype": dtype},
+               {"value": "attention_keys", "layers": 2, "positions": [0, -1, 3], "dtype": dtype}]
+    for ids in prompts[:2]:
+        inline = captured(client, server, ids, capture)
+        fetched = captured(client, server, ids, capture, "fetch")
+        assert fetched.choices[0].text == inline.choices[0].text
+        entries, held = inline.model_extra["capture"], fetched.model_extra["capture"]
+        assert all("data" not in entry and entry["url"] == f"/v1/captures/{entry['id']}" for entry in held)
+        assert len({entry["id"] for entry in held}) == 1, "a response's entries are fetched together"
+        assert [{**entry, "data": None} for entry in entries] == [
+            {key: value for key, value in entry.items() if key not in ("id", "url")} | {"data": None} for entry in held
+        ]
+        got = fetch(f"{server['url']}/v1", fetched, api_key=KEY)
+        assert len(got) == 3
+        for entry, tensor in zip(entries, got, strict=True):
+            want = decode(entry)
+            assert tensor.dtype == want.dtype == getattr(torch, dtype) and tensor.shape == want.shape, entry["value"]
+            assert torch.equal(tensor.view(torch.uint8), want.view(torch.uint8)), entry["value"]
+        assert got[1].shape[1] == STEPS - 1 and got[2].shape[1] == 3
+    # Inline entries are decoded where they are: no server is asked (none answers at this address).
+    local = fetch("http://127.0.0.1:9", inline)
+    assert all(torch.equal(tensor, decode(entry)) for tensor, entry in zip(local, entries, strict=True))
+
+
+def test_a_capture_is_fetched_once_and_an_unknown_id_is_a_404(server, client):
+    """Raw HTTP: safetensors bytes behind the key, once; the second fetch and an unknown id are 404s saying why."""
+    import httpx
+    from safetensors.torch import load
+    from vlenvoys.capturing import CaptureGone, fetch
+
+    capture = [{"value": "layer_output", "layers": [0, 2]}, {"value": "mlp_output", "layers": 1, "positions": "last"}]
+    answer = captured(client, server, "The cat sat", capture, "fetch")
+    entries = answer.model_extra["capture"]
+    url = f"{server['url']}{entries[0]['url']}"
+    assert httpx.get(url, timeout=60).status_code == 401, "captures are behind --api-key"
+    headers = {"Authorization": f"Bearer {KEY}"}
+    first = httpx.get(url, headers=headers, timeout=60)
+    assert first.status_code == 200 and first.headers["content-type"] == "application/octet-stream"
+    tensors = load(first.content)
+    assert {name: list(tensor.shape) for name, tensor in tensors.items()} == {
+        entry["value"]: entry["shape"] for entry in entries
+    }
+    again = httpx.get(url, headers=headers, timeout=60)
+    assert again.status_code == 404 and "fetched already" in again.json()["error"]["message"], again.text
+    with pytest.raises(CaptureGone, match="fetched already"):
+        fetch(server["url"], answer, api_key=KEY)
+    unknown = httpx.get(f"{server['url']}/v1/captures/0123abcd", headers=headers, timeout=60)
+    assert unknown.status_code == 404 and "capture '0123abcd': never held here" in unknown.json()["error"]["message"]
+    plain = client.completions.create(model=server["model"], prompt="The cat", max_tokens=2,
+                                      extra_body={"capture": None, "capture_transport": "fetch"})
+    assert plain.usage.completion_tokens == 2 and "capture" not in (plain.model_extra or {})
+
+
+def test_an_unfetched_capture_expires_after_the_ttl(server, client):
+    import time
+
+    from vlenvoys.capturing import CaptureGone, fetch
+
+    capture = {"value": "layer_output", "layers": 1}
+    late = captured(client, server, "The cat", capture, "fetch")
+    time.sleep(HELD_SECONDS + 0.5)
+    soon = captured(client, server, "The cat", capture, "fetch")
+    (tensor,) = fetch(server["url"], soon, api_key=KEY)
+    with pytest.raises(CaptureGone, match=f"expired: not fetched within {HELD_SECONDS} s"):
+        fetch(server["url"], late, api_key=KEY)
+    assert torch.equal(tensor, fetch(server["url"], captured(client, server, "The cat", capture), api_key=KEY)[0])
+
+
+def test_the_oldest_held_captures_are_dropped_beyond_the_cap(server, client):
+    """Four captures of 300 KiB under a cap of 1 MiB: the first is dropped, saying why; the three newer are served."""
+    from vlenvoys.capturing import CaptureGone, fetch
+
+    answers = [captured(client, server, "The cat", BIG, "fetch") for _ in range(4)]
+    with pytest.raises(CaptureGone, match="dropped unfetched to make room for newer captures"):
+        fetch(server["url"], answers[0], api_key=KEY)
+    got = [fetch(server["url"], answer, api_key=KEY)[0] for answer in answers[1:]]
+    assert all(list(tensor.shape) == [3, 200, 128] and torch.equal(tensor, got[0]) for tensor in got)
+
+
+def test_a_steered_capture_is_fetched(server, client, prompts):
+    """Steered at block 0 and capturing block 2's stream with fetch: the inline values of the same request, bit for
+    bit, and not the unsteered run's."""
+    from vlenvoys.capturing import decode, fetch
+
+    steering = [{"layer": 0, "vector": "up", "factor": 2.0}]
+    capture = {"value": "layer_output", "layers": 2, "positions": "all"}
+    ids = prompts[0]
+    (steered,) = fetch(server["url"], captured(client, server, ids, capture, "fetch", steering=steering), api_key=KEY)
+    (inline,) = captured(client, server, ids, capture, steering=steering).model_extra["capture"]
+    (plain,) = fetch(server["url"], captured(client, server, ids, capture, "fetch"), api_key=KEY)
+    assert list(steered.shape) == [1, len(ids) + STEPS - 1, 128]
+    assert torch.equal(steered, decode(inline))
+    assert not torch.allclose(steered, plain, atol=0.1), "the steering must show in the fetched capture"

@@ -18,6 +18,29 @@ Python: ``torch.frombuffer(bytearray(base64.b64decode(data)),
 dtype=torch.float32).view(shape)``, which `decode` does for any of the dtypes;
 numpy reads float32 and float16 the same way (``numpy.frombuffer(...).reshape(shape)``).
 
+A request chooses how its values come back with a top-level
+``capture_transport``: ``"inline"`` (the default, also for ``null``) as
+above, or ``"fetch"``, binary, which spares both sides base64 and JSON of
+the values: each entry then carries no ``data`` but the capture's ``id`` and
+``url``, ``"/v1/captures/{id}"``, one for all entries of a response::
+
+    {"value": "layer_output", ..., "dtype": "float32", "shape": [2, 7, 128],
+     "id": "5f0c...", "url": "/v1/captures/5f0c..."}
+
+``GET`` of that url on the same server (behind ``--api-key``, as every
+``/v1`` path) answers the values as a safetensors file
+(``application/octet-stream``), one tensor per entry, named by its
+``value``, of the entry's ``shape`` and ``dtype``, and forgets them: a
+capture is served once. The server holds each capture until its fetch, for
+``vlenvoys serve --capture-ttl`` seconds at most (`HELD_SECONDS` by default),
+and ``--capture-held-bytes`` of values in all (`HELD_BYTES`): a new capture
+drops the oldest unfetched ones it needs room for; one larger than that alone
+is a 400 (its completion not returned). A fetch of a capture not held is a
+404 that says why: fetched already, expired, dropped for room, or never held
+here. In Python, `fetch` (`fetch_async` under asyncio) gives a response's
+values, fetched or inline, as the tensors `decode` gives. Any other
+``capture_transport`` is a 400 before the request reaches the engine.
+
 ``positions`` counts the sequence as steering does: ``"prompt"`` (default; the
 prefill's rows, positions 0 to ``prompt_tokens - 1``), ``"generated"`` (the
 decode steps' rows: generated token ``k``, counted from 0, sits at
@@ -53,15 +76,19 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import time
 import uuid
 from collections import OrderedDict
 from typing import Any
 
 import torch
 
-from .serving import GENERATING, SteeringError, field_entries, salt_of
+from .serving import CAPTURES_PATH, GENERATING, SteeringError, field_entries, salt_of
 
-__all__ = ["DTYPES", "MAX_BYTES", "CaptureError", "Captures", "capture_spec", "decode"]
+__all__ = [
+    "CAPTURES_PATH", "DTYPES", "HELD_BYTES", "HELD_SECONDS", "MAX_BYTES", "TRANSPORTS", "CaptureError", "CaptureGone",
+    "Captures", "Held", "capture_spec", "decode", "fetch", "fetch_async", "transport_of",
+]
 
 #: An entry's keys.
 ENTRY_KEYS = frozenset({"value", "layers", "positions", "dtype"})
@@ -79,6 +106,99 @@ MAX_COLLECTORS = 32
 POSITIONS = ("prompt", "generated", "all", "last")
 #: Capture ids of requests on their way to the engine from this server (`guard` lets only these name a collector).
 PENDING: set[str] = set()
+#: How a response hands its values over (a request's ``capture_transport``): in its JSON, or held for one fetch.
+TRANSPORTS = ("inline", "fetch")
+#: Seconds a capture is held for its fetch, by default (``vlenvoys serve --capture-ttl``).
+HELD_SECONDS = 300.0
+#: The most bytes of values held for fetching, by default (``--capture-held-bytes``); beyond, the oldest go first.
+HELD_BYTES = 2 << 30
+#: Ids of captures gone (fetched, expired, dropped) remembered with why, so a late fetch's 404 can say.
+GONE_REMEMBERED = 1 << 16
+
+
+class CaptureGone(LookupError):
+    """A held capture that is not there (an HTTP 404 with this message): fetched already, expired, dropped, unknown."""
+
+
+def transport_of(field: Any) -> str:
+    """A request's ``capture_transport``, checked: ``"inline"`` (also for ``null``) or ``"fetch"``.
+
+    Raises:
+        CaptureError: anything else.
+    """
+    if field is None:
+        return "inline"
+    if not isinstance(field, str) or field not in TRANSPORTS:
+        raise CaptureError(f"capture_transport: expected {' or '.join(map(repr, TRANSPORTS))}, got {field!r}")
+    return field
+
+
+class Held:
+    """Captures held for their one fetch, oldest first: each until fetched, ``seconds`` old, or pushed out by newer
+    ones beyond ``most`` bytes of values.
+
+    Expiry is checked on every `put` and `take` (no timer: a server no one asks holds what it held).
+    """
+
+    def __init__(self, seconds: float = HELD_SECONDS, most: int = HELD_BYTES) -> None:
+        self.seconds = seconds
+        self.most = most
+        self.held: OrderedDict[str, tuple[float, int, dict[str, torch.Tensor]]] = OrderedDict()
+        self.bytes = 0
+        self.gone: OrderedDict[str, str] = OrderedDict()
+
+    def put(self, tensors: dict[str, torch.Tensor]) -> str:
+        """Hold ``tensors`` (contiguous, on the CPU) under a new id, which it returns.
+
+        Raises:
+            CaptureError: the tensors alone are more than ``most`` bytes.
+        """
+        size = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
+        if size > self.most:
+            raise CaptureError(
+                f"capture: {size / 2**20:.1f} MiB of values, beyond the {self.most / 2**20:.1f} MiB this server holds "
+                "for fetching (--capture-held-bytes); capture fewer layers or positions, or inline"
+            )
+        now = time.monotonic()
+        self._expire(now)
+        while self.held and self.bytes + size > self.most:
+            self._drop(next(iter(self.held)), f"dropped unfetched to make room for newer captures: the server holds "
+                       f"at most {self.most} bytes of them (--capture-held-bytes), the oldest go first")
+        name = uuid.uuid4().hex
+        self.held[name] = (now + self.seconds, size, tensors)
+        self.bytes += size
+        return name
+
+    def take(self, name: str) -> bytes:
+        """The capture held as ``name`` as safetensors bytes (a tensor per entry, named by its value); held no longer.
+
+        Raises:
+            CaptureGone: fetched already, expired, dropped for room, or never held here.
+        """
+        from safetensors.torch import save
+
+        self._expire(time.monotonic())
+        if name not in self.held:
+            why = self.gone.get(name) or (
+                f"never held here, or gone long ago (a capture is held until its one fetch, for {self.seconds:g} s "
+                "at most)"
+            )
+            raise CaptureGone(f"capture {name!r}: {why}")
+        tensors = self.held[name][2]
+        self._drop(name, "fetched already: a capture is served once")
+        return save(tensors)
+
+    def _expire(self, now: float) -> None:
+        # Held in the order they came, all for the same seconds: the first is the first to expire.
+        while self.held and next(iter(self.held.values()))[0] <= now:
+            self._drop(next(iter(self.held)), f"expired: not fetched within {self.seconds:g} s (--capture-ttl)")
+
+    def _drop(self, name: str, why: str) -> None:
+        _, size, _ = self.held.pop(name)
+        self.bytes -= size
+        self.gone[name] = why
+        while len(self.gone) > GONE_REMEMBERED:
+            self.gone.popitem(last=False)
 
 
 class CaptureError(SteeringError):
@@ -188,19 +308,21 @@ class Captures:
         num_layers: The model's block count.
         ranks: The engine's world size (capture serves one rank).
         graphs: Whether the engine replays CUDA graphs of decode steps (no hooks run there).
+        held: Where values fetched later wait (``capture_transport: "fetch"``).
     """
 
-    def __init__(self, engine_client: Any, num_layers: int, ranks: int, graphs: bool) -> None:
+    def __init__(self, engine_client: Any, num_layers: int, ranks: int, graphs: bool, held: Held | None = None) -> None:
         self.engine = engine_client
         self.num_layers = num_layers
         self.ranks = ranks
         self.graphs = graphs
+        self.held = Held() if held is None else held
         self.collectors: OrderedDict[tuple, _Collector | str] = OrderedDict()
         self.starting = asyncio.Lock()
 
-    async def admit(self, body: dict, path: str) -> tuple[dict, Any]:
+    async def admit(self, body: dict, path: str, transport: str = "inline") -> tuple[dict, Any]:
         """The body with its ``capture`` turned into ``vllm_xargs`` and a cache salt of its own, and the ticket
-        `respond` takes its values by.
+        `respond` takes its values by (and hands them over by ``transport``, one of `TRANSPORTS`).
 
         Raises:
             CaptureError: see `capture_spec` and the module's docstring.
@@ -233,7 +355,7 @@ class Captures:
         body["cache_salt"] = f"capture-{ticket}" + (f"-{salt_of(steered)}" if isinstance(steered, str) else "")
         collector.users += 1
         PENDING.add(ticket)
-        return body, (collector, ticket, entries)
+        return body, (collector, ticket, entries, transport)
 
     async def _collector(self, reads: tuple) -> _Collector:
         from .collector import new_name
@@ -268,7 +390,7 @@ class Captures:
         """
         import json
 
-        collector, name, entries = ticket
+        collector, name, entries, transport = ticket
         answer = json.loads(body) if status == 200 else None
         try:
             async with collector.lock:
@@ -283,12 +405,25 @@ class Captures:
             return status, body
         if isinstance(values, str):
             return 400, _error_body(values)
-        answer["capture"] = values
+        if transport == "fetch":
+            try:
+                held = self.held.put({entry["value"]: tensor for entry, tensor in values})
+            except CaptureError as error:
+                return 400, _error_body(str(error))
+            answer["capture"] = [{**entry, "id": held, "url": f"{CAPTURES_PATH}/{held}"} for entry, _ in values]
+        else:
+            answer["capture"] = [
+                {**entry, "data": base64.b64encode(tensor.view(torch.uint8).numpy().tobytes()).decode("ascii")}
+                for entry, tensor in values
+            ]
         return status, json.dumps(answer).encode()
 
 
-def _values(packed: dict, name: str, head_dims: dict, entries: list[dict], completed: int | None) -> list[dict] | str:
-    """Each entry's values, copied out of the engine's blocks and encoded; or why the request has none.
+def _values(
+    packed: dict, name: str, head_dims: dict, entries: list[dict], completed: int | None
+) -> list[tuple[dict, torch.Tensor]] | str:
+    """Each entry's response entry (less its values) and values, copied out of the engine's blocks; or why the
+    request has none.
 
     ``completed``: the response's generated tokens (its usage), of which all but the last were fed back.
     """
@@ -335,12 +470,10 @@ def _values(packed: dict, name: str, head_dims: dict, entries: list[dict], compl
                 each = each.reshape(*each.shape[:-1], -1, head_dims[key])
             picked.append(each)
         values = torch.stack(picked).to(DTYPES[entry["dtype"]]).contiguous()
-        data = values.view(torch.uint8).numpy().tobytes()
-        out.append({
+        out.append(({
             "value": entry["value"], "layers": entry["layers"], "positions": chosen, "prompt_tokens": prompt,
-            "generated_rows": fed_of[entry["value"]],
-            "dtype": entry["dtype"], "shape": list(values.shape), "data": base64.b64encode(data).decode("ascii"),
-        })
+            "generated_rows": fed_of[entry["value"]], "dtype": entry["dtype"], "shape": list(values.shape),
+        }, values))
     return out
 
 
@@ -357,6 +490,113 @@ def decode(entry: dict) -> torch.Tensor:
     if len(data) != size:
         raise ValueError(f"capture {entry['value']!r}: {len(data)} bytes of data, {size} for {entry['shape']} {entry['dtype']}")
     return torch.frombuffer(data, dtype=dtype).view(entry["shape"]) if size else torch.empty(entry["shape"], dtype=dtype)
+
+
+def fetch(base_url: str, answer: Any, *, api_key: str | None = None, timeout: float = 60.0,
+          client: Any = None) -> list[torch.Tensor]:
+    """A response's captured values as tensors, one per ``capture`` entry in order, as `decode` gives them.
+
+    Entries of ``"capture_transport": "fetch"`` are fetched from the server
+    (``GET /v1/captures/{id}``, once per response: the server then forgets
+    them); inline entries (with ``data``) are decoded here, no request made.
+
+    Args:
+        base_url: The server's address, ``http://host:port``, with or without
+            the ``/v1`` the openai client's ``base_url`` ends in.
+        answer: The response: the openai client's completion or chat
+            completion, its JSON as a dict, or its ``capture`` list.
+        api_key: The server's ``--api-key``, if it has one.
+        timeout: Seconds for each fetch (httpx's timeout).
+        client: An ``httpx.Client`` to fetch with (kept open); default one of its own.
+
+    Returns:
+        Each entry's values, ``[layers, positions, *row]`` of its ``shape``, in
+        its ``dtype`` (``torch.float32``, ``bfloat16`` or ``float16``), in the
+        model's own units (no scaling).
+
+    Raises:
+        CaptureGone: the server holds no such capture (a 404: fetched already,
+            expired after ``--capture-ttl``, dropped for newer ones beyond
+            ``--capture-held-bytes``, or unknown), with its reason.
+        httpx.HTTPStatusError: another refusal (a 401 for a wrong ``api_key``).
+        httpx.HTTPError: the server could not be reached.
+        KeyError: ``answer`` has no ``capture`` list, or an entry lacks a key.
+        ValueError: values of another shape or dtype than the entry says.
+    """
+    import contextlib
+
+    import httpx
+
+    entries = _entries_of(answer)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with contextlib.nullcontext(client) if client is not None else httpx.Client(timeout=timeout) as http:
+        got = {url: _body(http.get(_root(base_url) + url, headers=headers)) for url in _urls(entries)}
+    return _tensors(entries, got)
+
+
+async def fetch_async(base_url: str, answer: Any, *, api_key: str | None = None, timeout: float = 60.0,
+                      client: Any = None) -> list[torch.Tensor]:
+    """`fetch` for asyncio: the same arguments, results and errors, ``client`` an ``httpx.AsyncClient``."""
+    import contextlib
+
+    import httpx
+
+    entries = _entries_of(answer)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    urls = _urls(entries)
+    async with contextlib.nullcontext(client) if client is not None else httpx.AsyncClient(timeout=timeout) as http:
+        answers = await asyncio.gather(*(http.get(_root(base_url) + url, headers=headers) for url in urls))
+    return _tensors(entries, {url: _body(each) for url, each in zip(urls, answers, strict=True)})
+
+
+def _entries_of(answer: Any) -> list[dict]:
+    if isinstance(answer, list):
+        return answer
+    extra = answer if isinstance(answer, dict) else getattr(answer, "model_extra", None) or {}  # the openai client's
+    entries = extra.get("capture")
+    if not isinstance(entries, list):
+        raise KeyError("capture: the response has no 'capture' list (did its request carry a 'capture' field?)")
+    return entries
+
+
+def _urls(entries: list[dict]) -> list[str]:
+    """Each held capture's path, once (a response's entries share one)."""
+    return list(dict.fromkeys(entry["url"] for entry in entries if "data" not in entry))
+
+
+def _root(base_url: str) -> str:
+    return base_url.rstrip("/").removesuffix("/v1")
+
+
+def _body(response: Any) -> bytes:
+    if response.status_code == 404:
+        try:
+            message = response.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = response.text
+        raise CaptureGone(message)
+    response.raise_for_status()
+    return response.content
+
+
+def _tensors(entries: list[dict], got: dict[str, bytes]) -> list[torch.Tensor]:
+    from safetensors.torch import load
+
+    files = {url: load(data) for url, data in got.items()}
+    out = []
+    for entry in entries:
+        if "data" in entry:
+            out.append(decode(entry))
+            continue
+        tensor = files[entry["url"]].get(entry["value"])
+        dtype = DTYPES[entry["dtype"]]
+        if tensor is None or tensor.dtype != dtype or list(tensor.shape) != list(entry["shape"]):
+            found = "nothing" if tensor is None else f"{tensor.dtype} {list(tensor.shape)}"
+            raise ValueError(
+                f"capture {entry['value']!r}: fetched {found}, the entry says {entry['dtype']} {entry['shape']}"
+            )
+        out.append(tensor)
+    return out
 
 
 def _error_body(message: str) -> bytes:

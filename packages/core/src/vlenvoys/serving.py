@@ -37,7 +37,9 @@ salt. A field the model cannot take is a 400 naming the reason
 the engine; the server goes on serving.
 
 A request may also capture standard values of its prompt (a ``capture``
-field, returned in the response's ``capture``): see `vlenvoys.capturing`.
+field, returned in the response's ``capture``, or held for one binary fetch at
+``GET /v1/captures/{id}`` with ``"capture_transport": "fetch"``): see
+`vlenvoys.capturing`.
 
 A steered row the engine
 still finds non-finite (the checks here bound the scaled vector as
@@ -64,6 +66,8 @@ __all__ = ["SteeringError", "SteeringMiddleware", "Vectors", "field_entries", "g
 
 #: Where named vectors are listed (GET) and registered (POST).
 VECTORS_PATH = "/v1/steering/vectors"
+#: Held captures are fetched at ``GET CAPTURES_PATH/{id}`` (`vlenvoys.capturing`).
+CAPTURES_PATH = "/v1/captures"
 #: Request paths whose ``steering`` field is served.
 GENERATING = ("/v1/completions", "/v1/chat/completions")
 #: Values a request may steer (others are standard names served later).
@@ -74,6 +78,8 @@ MAX_VECTORS = 4096
 ENTRY_KEYS = frozenset({"value", "layer", "vector", "factor", "positions"})
 #: The most entries a request's steering may have (each distinct vector takes a slot on the engine).
 MAX_ENTRIES = 16
+#: The request fields the middleware serves (and takes out of the body before vLLM sees it).
+OWN_FIELDS = frozenset({"steering", "capture", "capture_transport"})
 class SteeringError(ValueError):
     """A request's ``steering`` (or named vector, or ``capture``) the model cannot take: an HTTP 400 with this message."""
 
@@ -286,8 +292,12 @@ def rewritten(body: dict, hidden_size: int, num_layers: int, dtype: torch.dtype,
     for field in body:
         # vLLM ignores fields it does not know: a misspelt steering would generate unsteered without a word.
         for known, verb in (("steering", "steers"), ("capture", "captures")):
-            if field != known and isinstance(field, str) and field.lower().startswith(known[:5]):
-                raise SteeringError(f"unknown field {field!r}; a request {verb} with the field {known!r}", field)
+            if field not in OWN_FIELDS and isinstance(field, str) and field.lower().startswith(known[:5]):
+                raise SteeringError(
+                    f"unknown field {field!r}; a request {verb} with the field {known!r}"
+                    + (" (and chooses how its values come with 'capture_transport')" if known == "capture" else ""),
+                    field,
+                )
     xargs = body.get("vllm_xargs")
     if isinstance(xargs, dict) and KEY in xargs:
         raise SteeringError(f"vllm_xargs[{KEY!r}] is set by the server; steer with the request's 'steering' field", "vllm_xargs")
@@ -397,16 +407,19 @@ class SteeringMiddleware:
         guard(app.state.engine_client)
         config = app.state.vllm_config.model_config
         self.shape = (int(config.get_hidden_size()), int(config.hf_text_config.num_hidden_layers), config.dtype)
-        from .capturing import Captures
+        from .capturing import HELD_BYTES, HELD_SECONDS, Captures, Held
 
         from vllm.config import CUDAGraphMode
 
         vllm_config = app.state.vllm_config
         graphs = not config.enforce_eager and vllm_config.compilation_config.cudagraph_mode != CUDAGraphMode.NONE
-        self.captures = Captures(app.state.engine_client, self.shape[1], vllm_config.parallel_config.world_size, graphs)
         args = app.state.args
         from vllm import envs
 
+        held = Held(getattr(args, "capture_ttl", HELD_SECONDS), getattr(args, "capture_held_bytes", HELD_BYTES))
+        self.captures = Captures(
+            app.state.engine_client, self.shape[1], vllm_config.parallel_config.world_size, graphs, held
+        )
         tokens = [key for key in (args.api_key or [envs.VLLM_API_KEY]) if key]
         if tokens:
             from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
@@ -423,8 +436,9 @@ class SteeringMiddleware:
             return await self.app(scope, receive, send)
         self._start(scope["app"])  # before any request reaches the engine, whatever its path
         path = scope["path"].removeprefix(scope.get("root_path", ""))
+        fetching = path.startswith(CAPTURES_PATH + "/")
         if scope.get("method") not in ("POST", "GET") or not path.startswith("/v1/") or (
-            scope["method"] == "GET" and path != VECTORS_PATH
+            scope["method"] == "GET" and path != VECTORS_PATH and not fetching
         ):
             return await self.app(scope, receive, send)
         if not self._allowed(scope):
@@ -432,6 +446,8 @@ class SteeringMiddleware:
         if path == VECTORS_PATH and scope["method"] == "GET":
             listed = [{"name": name, "norm": float(vector.norm())} for name, vector in sorted(self.vectors.named.items())]
             return await _json(200, {"object": "list", "data": listed, "hidden_size": self.shape[0]})(scope, receive, send)
+        if fetching and scope["method"] == "GET":
+            return await self._fetched(path.removeprefix(CAPTURES_PATH + "/"))(scope, receive, send)
         body, disconnected = b"", False
         while True:
             message = await receive()
@@ -453,13 +469,19 @@ class SteeringMiddleware:
             if isinstance(parsed, dict) and "steering" in parsed and path not in GENERATING:
                 raise SteeringError(f"steering is served on {' and '.join(GENERATING)}, not on {path}")
             new = rewritten(parsed, *self.shape, self.vectors) if isinstance(parsed, dict) else None
-            ticket = None
+            ticket, transport = None, "inline"
+            if isinstance(parsed, dict) and "capture_transport" in parsed:
+                from .capturing import transport_of
+
+                transport = transport_of(parsed["capture_transport"])  # a 400 before the engine, captured or not
+                new = dict(parsed if new is None else new)
+                del new["capture_transport"]
             if isinstance(parsed, dict) and "capture" in parsed:
                 new = dict(parsed if new is None else new)
                 if new["capture"] is None or new["capture"] == []:
                     del new["capture"]  # as "steering": null, a request that captures nothing
                 else:
-                    new, ticket = await self.captures.admit(new, path)
+                    new, ticket = await self.captures.admit(new, path, transport)
         except SteeringError as error:
             return await _error(str(error), error.param)(scope, receive, send)
         if new is not None:
@@ -505,6 +527,18 @@ class SteeringMiddleware:
         await send({**start, "status": status, "headers": [*headers, (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
+    def _fetched(self, name: str) -> Any:
+        """A held capture's values as safetensors bytes, once (`capturing.Held.take`); else a 404 saying why."""
+        from starlette.responses import Response
+
+        from .capturing import CaptureGone
+
+        try:
+            data = self.captures.held.take(name)
+        except CaptureGone as error:
+            return _error(str(error), "id", 404)
+        return Response(data, media_type="application/octet-stream")
+
     def _register(self, body: bytes) -> Any:
         try:
             parsed = json.loads(body)
@@ -532,6 +566,8 @@ def parser() -> Any:
     from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    from .capturing import HELD_BYTES, HELD_SECONDS
+
     made = make_arg_parser(FlexibleArgumentParser(
         prog="vlenvoys serve",
         description="vLLM's OpenAI-compatible server on vlenvoys' worker: every vLLM server argument works, and "
@@ -541,6 +577,14 @@ def parser() -> Any:
     group.add_argument(
         "--vectors", action="append", default=[], metavar="FILE.safetensors",
         help="Named steering vectors: every tensor of the file ([hidden_size]) under its name. Repeatable.",
+    )
+    group.add_argument(
+        "--capture-ttl", type=float, default=HELD_SECONDS, metavar="SECONDS",
+        help="Seconds a capture of 'capture_transport': 'fetch' is held for its one fetch (GET /v1/captures/ID).",
+    )
+    group.add_argument(
+        "--capture-held-bytes", type=int, default=HELD_BYTES, metavar="BYTES",
+        help="The most bytes of captured values held for fetching; beyond, the oldest unfetched are dropped.",
     )
     group.add_argument(
         "--cuda-graphs", action="store_true",
@@ -573,6 +617,9 @@ def prepare(args: Any) -> None:
     chosen_impl = {"model_impl": args.model_impl}
     resolve_checkpoint(args.model, chosen_impl)
     args.model_impl = chosen_impl["model_impl"]
+    if not (args.capture_ttl > 0 and args.capture_held_bytes > 0):
+        raise ValueError(f"--capture-ttl and --capture-held-bytes must be positive, got {args.capture_ttl} and "
+                         f"{args.capture_held_bytes}")
     if args.worker_cls not in (None, "auto"):
         raise ValueError(f"--worker-cls {args.worker_cls}: vlenvoys serve runs its own worker")
     if args.vectors:
