@@ -266,10 +266,14 @@ def plain_generation(model) -> list[int]:
 
 @contextlib.contextmanager
 def within(seconds: int):
-    """A TimeoutError after ``seconds``: a block that hangs the engine fails its test instead of the session's."""
+    """A TimeoutError after ``seconds``, this process's engines killed first: a block that hangs the engine
+    fails its test (and the engine's later tests), instead of hanging the session while the engine's memory grows
+    (a client interrupted while its requests are in flight waits for their blocks to wind up)."""
 
     def expire(signum, frame):
-        raise TimeoutError(f"still running after {seconds} s")
+        for child in psutil.Process().children(recursive=True):
+            child.kill()
+        raise TimeoutError(f"still running after {seconds} s; this process's engines were killed")
 
     previous = signal.signal(signal.SIGALRM, expire)
     signal.alarm(seconds)
