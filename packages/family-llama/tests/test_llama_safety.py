@@ -260,7 +260,8 @@ UNSENDABLE_SAVES = {
 def plain_generation(model) -> list[int]:
     from vllm import SamplingParams
 
-    (output,) = model.vllm_entrypoint.generate(["The sun"], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    (output,) = model.vllm_entrypoint.generate(["The sun"], params, use_tqdm=False)
     return list(output.outputs[0].token_ids)
 
 
@@ -298,8 +299,9 @@ def test_saving_the_step_of_an_open_iter_block_fails_its_trace_alone(subject):
     model, prompt = subject.model, subject.prompts[1]
     (stream, _), = run(model, [prompt])
     generated = plain_generation(model)
-    with within(60), pytest.raises(TypeError, match=r"the saved variable 'saved' \(builtins\.list\) cannot be sent back from the "
-                       r"engine: it holds a nnsight\.intervention\.iterator\.Iterations, which is nnsight's own"):
+    expected = (r"the saved variable 'saved' \(builtins\.list\) cannot be sent back from the engine: "
+                r"it holds a nnsight\.intervention\.iterator\.Iterations, which is nnsight's own")
+    with within(60), pytest.raises(TypeError, match=expected):
         with model.trace("The Eiffel Tower is in", max_tokens=3) as tracer:
             saved = list().save()
             with tracer.iter[:] as it:
