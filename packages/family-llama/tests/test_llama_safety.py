@@ -7,7 +7,10 @@ isolation is checked with exact equality.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import signal
 
 import psutil
 import pytest
@@ -242,6 +245,127 @@ def test_a_save_that_cannot_be_sent_back_fails_its_trace_alone(subject):
             kept.append(lambda x: x)
     (_, again), = run(model, [prompt])
     assert torch.equal(again, alone), "the engine must go on serving"
+
+
+#: What a block saves that cannot come back from the engine, and the type its error names.
+UNSENDABLE_SAVES = {
+    "tracer.iter itself": "nnsight.intervention.iterator.Iterations",
+    "envoy": "vlenvoys_llama.LlamaLayer",
+    "lambda": "builtins.function",
+    "lock": "_thread.lock",
+    "generator": "builtins.generator",
+}
+
+
+def plain_generation(model) -> list[int]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    (output,) = model.vllm_entrypoint.generate(["The sun"], params, use_tqdm=False)
+    return list(output.outputs[0].token_ids)
+
+
+@contextlib.contextmanager
+def within(seconds: int):
+    """A TimeoutError after ``seconds``, this process's engines killed first: a block that hangs the engine
+    fails its test (and the engine's later tests), instead of hanging the session while the engine's memory grows
+    (a client interrupted while its requests are in flight waits for their blocks to wind up)."""
+
+    def expire(signum, frame):
+        for child in psutil.Process().children(recursive=True):
+            child.kill()
+        raise TimeoutError(f"still running after {seconds} s; this process's engines were killed")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def assert_the_engine_goes_on(model, prompt, stream, generated) -> None:
+    """A fresh trace reads the same stream as before, and a plain generation draws the same tokens."""
+    (again, _), = run(model, [prompt])
+    assert torch.equal(again, stream), "the engine must go on serving traces"
+    assert plain_generation(model) == generated, "and plain requests"
+
+
+@pytest.mark.parametrize("subject", ["LlamaForCausalLM"], indirect=True)
+def test_saving_the_step_of_an_open_iter_block_fails_its_trace_alone(subject):
+    """nnsight's deprecated block form, as a new user writes it: its block reads nothing of the model, so the
+    open-ended loop ends at the engine's longest sequence, and the saved step objects are refused by name."""
+    model, prompt = subject.model, subject.prompts[1]
+    (stream, _), = run(model, [prompt])
+    generated = plain_generation(model)
+    expected = (r"the saved variable 'saved' \(builtins\.list\) cannot be sent back from the engine: "
+                r"it holds a nnsight\.intervention\.iterator\.Iterations, which is nnsight's own")
+    with within(60), pytest.raises(TypeError, match=expected):
+        with model.trace("The Eiffel Tower is in", max_tokens=3) as tracer:
+            saved = list().save()
+            with tracer.iter[:] as it:
+                saved.append(it)
+    assert_the_engine_goes_on(model, prompt, stream, generated)
+
+
+@pytest.mark.parametrize("subject", ["LlamaForCausalLM"], indirect=True)
+def test_an_open_iter_loop_that_reads_nothing_ends(subject):
+    """``for step in tracer.iter[:]`` with a block that never parks: at most max_model_len steps, then on."""
+    model, prompt = subject.model, subject.prompts[1]
+    with within(60), model.trace(prompt, max_tokens=3) as tracer:
+        steps = list().save()
+        for step in tracer.iter[:]:
+            steps.append(step)
+        after = model.layers[0].layer_output.save()
+    assert steps == list(range(model.vllm_entrypoint.llm_engine.model_config.max_model_len))
+    assert after.shape[-1] == subject.hidden_size
+
+
+@pytest.mark.parametrize("saving", list(UNSENDABLE_SAVES))
+@pytest.mark.parametrize("subject", ["LlamaForCausalLM"], indirect=True)
+def test_a_saved_object_of_any_kind_that_cannot_come_back_fails_its_trace_alone(subject, saving):
+    import threading
+
+    import nnsight
+
+    model, prompt = subject.model, subject.prompts[1]
+    (stream, _), = run(model, [prompt])
+    generated = plain_generation(model)
+    expected = re.escape(f"the saved variable 'kept' ({UNSENDABLE_SAVES[saving]}) cannot be sent back from the engine")
+    with pytest.raises(TypeError, match=expected):
+        with model.trace(prompt, max_tokens=2) as tracer:
+            model.layers[1].layer_output.save()
+            if saving == "tracer.iter itself":
+                kept = nnsight.save(tracer.iter[:])
+            elif saving == "envoy":
+                kept = nnsight.save(model.layers[0])
+            elif saving == "lambda":
+                kept = nnsight.save(lambda x: x)
+            elif saving == "lock":
+                kept = nnsight.save(threading.Lock())
+            else:
+                kept = nnsight.save(x for x in range(3))  # noqa: F841
+    assert_the_engine_goes_on(model, prompt, stream, generated)
+
+
+@pytest.mark.parametrize("subject", ["LlamaForCausalLM"], indirect=True)
+def test_an_unsendable_save_in_one_invoke_leaves_the_other_invokes_value_delivered(subject):
+    """Two invokes, two requests: the one saving step objects fails, and the trace raises its error; the other
+    invoke's value is still delivered (bound before the error is raised), and the engine goes on."""
+    model, prompt = subject.model, subject.prompts[1]
+    (stream, _), = run(model, [prompt])
+    generated = plain_generation(model)
+    with within(60), pytest.raises(TypeError, match=r"the saved variable 'bad' \(builtins\.list\)"):
+        with model.trace(temperature=0.0, max_tokens=2) as tracer:
+            with tracer.invoke(prompt):
+                good = model.layers[1].layer_output.save()
+            with tracer.invoke(prompt):
+                bad = list().save()
+                with tracer.iter[:] as it:
+                    bad.append(it)
+    assert torch.equal(good, stream), "the other invoke's value is delivered, though the trace raises"
+    assert_the_engine_goes_on(model, prompt, stream, generated)
 
 
 @on_safety_models

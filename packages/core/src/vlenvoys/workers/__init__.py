@@ -16,8 +16,10 @@ import pickle
 from typing import Any
 
 import torch
+from nnsight.intervention.envoy import Envoy
 from nnsight.modeling.vllm.batching import VLLMBatcher
 from nnsight.modeling.vllm.collect import _CompactPickler
+from nnsight.tracing.tracer import Tracer
 
 from ..handover import ALIGN
 
@@ -128,6 +130,37 @@ def compile_blocks_once() -> None:
     load_function.__module__, load_function.__qualname__ = load.__module__, load.__qualname__  # pickles as nnsight's
     serialization._load_function = load_function
     Mediator.__setstate__ = setstate
+
+
+#: The most steps an open-ended ``tracer.iter[:]`` hands out in a worker (`end_open_iterations`).
+_OPEN_STEPS: dict[str, int] = {"limit": 0}
+
+
+def end_open_iterations(limit: int) -> None:
+    """Worker side: an open-ended ``tracer.iter[:]`` hands out at most ``limit`` steps (the engine's longest sequence).
+
+    Such a loop ends when its block parks on a step the model never runs; a
+    block that reads nothing of the model (``with tracer.iter[:] as step:
+    saved.append(step)``) never parks, so the loop ran forever inside the
+    engine's step and every request in the engine hung with it. No request
+    runs more steps than ``limit``, so ending the loop there, as the model
+    stopping ends it, takes nothing from a block that does read the model.
+    """
+    from nnsight.intervention.iterator import Iterations
+
+    _OPEN_STEPS["limit"] = limit
+    if getattr(Iterations._indices, "vlenvoys", False):
+        return
+    indices = Iterations._indices
+
+    def bounded(self: Iterations) -> Any:
+        for step in indices(self):
+            if self.stop is None and self.steps is None and step >= _OPEN_STEPS["limit"]:
+                return
+            yield step
+
+    bounded.vlenvoys = True
+    Iterations._indices = bounded
 
 
 class SplicingBatcher(VLLMBatcher):
@@ -478,7 +511,15 @@ class _SavesPickler(_CompactPickler):
         if isinstance(obj, torch.Tensor) and _plain(obj):
             self.tensors.append(obj)
             return _tensor_slot, (len(self.tensors) - 1,)
+        if isinstance(obj, _RUN_OBJECTS):
+            # An unentered ``tracer.iter[:]`` pickles, and an envoy may (with its module's weights, where no
+            # kernel stops it): either would arrive as a copy bound to nothing, so neither goes.
+            raise TypeError(f"{type(obj).__name__} is an object of the engine's run, which means nothing outside it")
         return super().reducer_override(obj)
+
+
+#: nnsight's tracers (the step object of ``tracer.iter``, the tracer itself) and envoys: never sent back.
+_RUN_OBJECTS = (Tracer, Envoy)
 
 
 class _SavesUnpickler(pickle.Unpickler):
@@ -515,6 +556,8 @@ def _why_unsendable(value: Any, error: Exception, dumps: Any) -> str:
     where = "it is" if culprit is value else f"it holds a {_type_name(culprit)}, which is"
     if isinstance(culprit, (types.FunctionType, types.LambdaType, types.MethodType)):
         return f"{where} a function, and functions defined in a trace do not pickle"
+    if isinstance(culprit, _RUN_OBJECTS):
+        return f"{where} nnsight's own object of the engine's run (a tracer, a step of tracer.iter, an envoy)"
     return f"{where} not picklable ({type(error).__name__}: {error})"
 
 
@@ -611,6 +654,7 @@ class StandardRunner:
         track_only_nnsight_work(self.nnsight_requests)
         compile_blocks_once()
         send_back_what_can_be_sent(self)
+        end_open_iterations(self.model_config.max_model_len)
 
         backend = type(self.get_model()).__name__.startswith("Transformers")
         installed, name, architecture = resolve(
