@@ -23,7 +23,7 @@ bench.py's random Llama of a 1B shape in bfloat16, ``vlenvoys serve
 torch.compile, graphs of pure decode steps: the paired benchmark measured
 them at 1.004 of vLLM's default). ``--model PATH`` for another checkpoint.
 Run with ``nox -s bench`` or ``python benchmarks/serve.py``; writes
-benchmarks/results-serve-cpu.md (``--out`` elsewhere).
+benchmarks/results/results-serve-cpu.md (``--out`` elsewhere).
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64, help="Concurrent requests per run.")
     parser.add_argument("--tokens", type=int, default=32, help="Tokens each request generates.")
     parser.add_argument("--rounds", type=int, default=3, help="Timed rounds (after one warm-up round).")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results-serve-cpu.md")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "results-serve-cpu.md")
     options = parser.parse_args()
     from vlenvoys.serving import anyio_classes_first
     from vlenvoys.testing import http_server
