@@ -398,7 +398,7 @@ def measure(args: argparse.Namespace) -> dict:
 
     device = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores)"
     return {
-        "commit": commit_of_checkout(),
+        "commit": args.commit or commit_of_checkout(),
         "card": card_name(),
         "device": device,
         "vllm": vllm.__version__,
@@ -422,6 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-serve", action="store_true", help="leave out the serve rows (no servers started)")
     parser.add_argument("--smoke", action="store_true", help="the CPU engine, a tiny model, small workloads; floors not applied")
     parser.add_argument("--out", type=Path, default=RESULTS, help="folder of the results file (benchmarks/results)")
+    parser.add_argument("--commit", help="the commit measured, where this copy is no git checkout (default: HEAD's)")
     parser.add_argument("--floors", type=Path, default=FLOORS, help="the floors (benchmarks/floors.toml)")
     parser.add_argument("--report", type=Path, metavar="JSON",
                         help="write README's and docs/speed.md's speed table from this gate result, measure nothing")
