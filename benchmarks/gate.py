@@ -162,12 +162,13 @@ def render(result: dict, source: str) -> str:
         f"Ratio to plain vLLM in its default configuration (torch.compile, CUDA graphs), median of "
         f"{result['rounds']} paired rounds; higher is faster.",
         "",
-        "| row | what | ratio | spread | floor |",
-        "|---|---|---|---|---|",
+        "| row | what | vlenvoys / plain vLLM | ratio | spread | floor |",
+        "|---|---|---|---|---|---|",
     ]
     for name, row in result["rows"].items():
         floor = "" if row["floor"] is None else f"{row['floor']:.2f}"
-        lines.append(f"| `{name}` | {row['what']} | {row['ratio']:.2f} | {row['spread']:.2f} | {floor} |")
+        rates = f"{row['ours']:,.0f} / {row['baseline']:,.0f} {row['unit']}"
+        lines.append(f"| `{name}` | {row['what']} | {rates} | {row['ratio']:.2f} | {row['spread']:.2f} | {floor} |")
     return "\n".join(lines)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -69,7 +70,8 @@ def test_every_gate_result_has_the_promised_keys():
     for path in results:
         result = json.loads(path.read_text())
         assert {"commit", "card", "vllm", "rows", "passed"} <= set(result), path.name
-        assert path.name == f"gate-{result['commit'].replace('+', '-')}-{result['card']}.json"
+        # gate-<commit>-<card>.json; a second run of the same commit on the same card is kept beside it with a suffix
+        assert path.name.startswith(f"gate-{result['commit'].replace('+', '-')}-{result['card']}"), path.name
         for name, row in result["rows"].items():
             assert name in gate.ROWS and {"ours", "baseline", "ratio", "spread", "floor"} <= set(row), (path.name, name)
         assert result["passed"] == all(row["floor"] is None or row["ratio"] >= row["floor"] for row in result["rows"].values())
@@ -86,3 +88,23 @@ def test_readme_and_docs_show_the_latest_gate():
             continue
         expected = gate.render(json.loads(latest.read_text()), latest.relative_to(ROOT).as_posix())
         assert shown == expected, f"{page.name} does not show {latest.name}: run benchmarks/gate.py --report {latest}"
+
+
+def test_the_latest_gate_measured_the_runtime_code_of_this_checkout():
+    """Every change to code under packages/*/src runs the gate at its last commit and commits the result (#45 item 3)."""
+    latest = gate.latest()
+    if latest is None:
+        pytest.skip("no gate has run yet")
+    commit = json.loads(latest.read_text())["commit"]
+    assert "+" not in commit, f"{latest.name} measured uncommitted code"
+    try:
+        changed = subprocess.run(["git", "diff", "--stat", commit, "HEAD", "--", ":(glob)packages/*/src/**"], cwd=ROOT,
+                                 capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        pytest.skip("no git here")
+    if changed.returncode != 0:
+        pytest.skip(f"this checkout cannot compare with {commit}: {changed.stderr.strip()[:200]}")
+    assert changed.stdout.strip() == "", (
+        f"runtime code changed since the latest gate ({latest.name}, at {commit}): run benchmarks/gate.py on a GPU "
+        f"at this commit and commit its result\n{changed.stdout}"
+    )
