@@ -155,12 +155,16 @@ def summarize(seconds: dict[str, list[float]], amounts: dict[str, int], units: d
 
 def render(result: dict, source: str) -> str:
     """The speed table of one gate run, as README and docs/speed.md show it (Markdown)."""
-    smoke = "A smoke run on the CPU engine (a tiny model, small workloads): the figures say nothing of speed. " if result.get("smoke") else ""
+    if result.get("smoke"):
+        verdict = "a smoke run on the CPU engine (a tiny model, small workloads, no floors): the figures say nothing of speed"
+    elif result["passed"]:
+        verdict = "every row at or above its floor"
+    else:
+        verdict = "UNDER ITS FLOOR: " + ", ".join(result["under_floor"])
+    baseline = "vLLM's CPU engine" if result.get("smoke") else "plain vLLM in its default configuration (torch.compile, CUDA graphs)"
     lines = [
-        f"{smoke}Gate at `{result['commit']}` on {result['device']} (vLLM {result['vllm']}), from `{source}`: "
-        f"{'every row at or above its floor' if result['passed'] else 'UNDER ITS FLOOR: ' + ', '.join(result['under_floor'])}. "
-        f"Ratio to plain vLLM in its default configuration (torch.compile, CUDA graphs), median of "
-        f"{result['rounds']} paired rounds; higher is faster.",
+        f"Gate at `{result['commit']}` on {result['device']} (vLLM {result['vllm']}), from `{source}`: {verdict}. "
+        f"Ratio to {baseline}, median of {result['rounds']} paired rounds; higher is faster.",
         "",
         "| row | what | vlenvoys / plain vLLM | ratio | spread | floor |",
         "|---|---|---|---|---|---|",
@@ -172,10 +176,30 @@ def render(result: dict, source: str) -> str:
     return "\n".join(lines)
 
 
+def read_result(path: Path) -> dict:
+    """A gate result from its file; SystemExit saying what is wrong with a file that is none."""
+    try:
+        result = json.loads(path.read_text())
+    except OSError as error:
+        raise SystemExit(f"{path}: {error.strerror or error}") from None
+    except json.JSONDecodeError as error:
+        raise SystemExit(f"{path} is no gate result: not JSON ({error})") from None
+    missing = {"commit", "card", "device", "vllm", "rounds", "rows"} - set(result) if isinstance(result, dict) else {"an object"}
+    if missing:
+        raise SystemExit(f"{path} is no gate result: it lacks {', '.join(sorted(missing))}")
+    return result
+
+
 def report(path: Path, pages: list[Path] = SPEED_PAGES) -> None:
-    """Write the speed table of gate result ``path`` between `BEGIN` and `END` in each page."""
-    result = json.loads(path.read_text())
-    table = render(result, path.relative_to(ROOT).as_posix())
+    """Write the speed table of gate result ``path`` between `BEGIN` and `END` in each page (never a smoke run's)."""
+    result = read_result(path)
+    if result.get("smoke"):
+        raise SystemExit(f"{path} is a smoke run (the CPU engine, no floors): its figures say nothing of speed, and "
+                         "README and the docs show a GPU gate's")
+    if "passed" not in result:
+        raise SystemExit(f"{path} has not been held to the floors: run gate.py --judge {path} first")
+    shown = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.as_posix()
+    table = render(result, shown)
     for page in pages:
         text = page.read_text()
         if BEGIN not in text or END not in text:
@@ -422,24 +446,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", nargs="+", choices=list(ROWS), help="only these rows (default: all)")
     parser.add_argument("--no-serve", action="store_true", help="leave out the serve rows (no servers started)")
     parser.add_argument("--smoke", action="store_true", help="the CPU engine, a tiny model, small workloads; floors not applied")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="folder of the results file (benchmarks/results)")
+    parser.add_argument("--out", type=Path, default=RESULTS,
+                        help="folder of the results file (benchmarks/results; build/gate-smoke with --smoke)")
     parser.add_argument("--commit", help="the commit measured, where this copy is no git checkout (default: HEAD's)")
     parser.add_argument("--floors", type=Path, default=FLOORS, help="the floors (benchmarks/floors.toml)")
     parser.add_argument("--report", type=Path, metavar="JSON",
                         help="write README's and docs/speed.md's speed table from this gate result, measure nothing")
     parser.add_argument("--judge", type=Path, metavar="JSON",
-                        help="hold this gate result to the floors as they are now (after floors.toml changed), measure nothing")
+                        help="hold this gate result to the floors as they are now (after floors.toml changed) and rewrite "
+                             "it in place; measure nothing")
     args = parser.parse_args(argv)
     if args.report is not None:
         report(args.report.resolve())
         return 0
+    if args.rounds is not None and args.rounds < 1:
+        parser.error("--rounds: at least one counted round")
+    if args.no_serve and args.rows and all(ROWS[name].group == "serve" for name in args.rows):
+        parser.error("--no-serve leaves none of the rows --rows names")
     if args.judge is not None:
-        path, result = args.judge, json.loads(args.judge.read_text())
+        path, result = args.judge, read_result(args.judge)
     else:
+        if args.smoke and args.out == RESULTS:
+            args.out = ROOT / "build" / "gate-smoke"  # a smoke run is no result: not beside the gates' results
         sys.path.insert(0, str(HERE))  # bench.py, serve.py and workloads.py beside this file
         result = measure(args)
         args.out.mkdir(parents=True, exist_ok=True)
         path = args.out / f"gate-{result['commit'].replace('+', '-')}-{result['card']}{'-smoke' if result['smoke'] else ''}.json"
+        if not result["rows"]:
+            raise SystemExit("no row was measured (see the log above); nothing written")
     floors, table = floors_for(result["card"], args.floors) if not result["smoke"] else ({}, None)
     result["rows"], under = judged(result["rows"], floors)
     result["floors"] = table
