@@ -207,7 +207,7 @@ def report(path: Path, pages: list[Path] = SPEED_PAGES) -> None:
         head, rest = text.split(BEGIN, 1)
         _, tail = rest.split(END, 1)
         page.write_text(f"{head}{BEGIN}\n{table}\n{END}{tail}")
-        print(f"wrote the speed table of {path.name} into {page.relative_to(ROOT)}")
+        print(f"wrote the speed table of {path.name} into {page}")
 
 
 def latest(results: Path = RESULTS) -> Path | None:

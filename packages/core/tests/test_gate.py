@@ -108,3 +108,27 @@ def test_the_latest_gate_measured_the_runtime_code_of_this_checkout():
         f"runtime code changed since the latest gate ({latest.name}, at {commit}): run benchmarks/gate.py on a GPU "
         f"at this commit and commit its result\n{changed.stdout}"
     )
+
+
+def test_report_takes_only_a_judged_gpu_result(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(f"before\n{gate.BEGIN}\n{gate.END}\nafter\n")
+    result = {"commit": "abc1234", "card": "cpu", "device": "CPU", "vllm": "0.32.0", "rounds": 1, "rows": {}, "smoke": True,
+              "passed": True, "under_floor": []}
+    smoke = tmp_path / "gate-abc1234-cpu-smoke.json"
+    smoke.write_text(json.dumps(result))
+    with pytest.raises(SystemExit, match="smoke run"):
+        gate.report(smoke, pages=[page])
+    unjudged = tmp_path / "gate-abc1234-h200.json"
+    unjudged.write_text(json.dumps({key: value for key, value in result.items() if key not in ("smoke", "passed")}))
+    with pytest.raises(SystemExit, match="--judge"):
+        gate.report(unjudged, pages=[page])
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"commit": "abc"}')
+    with pytest.raises(SystemExit, match="lacks card, device, rounds, rows, vllm"):
+        gate.report(broken, pages=[page])
+    assert page.read_text() == f"before\n{gate.BEGIN}\n{gate.END}\nafter\n"
+    judged = tmp_path / "judged.json"
+    judged.write_text(json.dumps({**{key: value for key, value in result.items() if key != "smoke"}, "card": "h200"}))
+    gate.report(judged, pages=[page])  # outside the repository: shown by its own path
+    assert str(judged) in page.read_text() and page.read_text().endswith(f"{gate.END}\nafter\n")
