@@ -560,6 +560,28 @@ def requests(llm, texts, tokens, detokenize=True):
     llm.generate(texts, params, use_tqdm=False)
 
 
+def plain_prefill(model, cut: list[list[int]], in_flight: int, detokenize: bool = True) -> None:
+    """Plain vLLM requests for ``cut``'s windows, one token each, at most ``in_flight`` at once, as collect submits them.
+
+    ``model``: a vlenvoys model (its engine's plain requests; datasets.py's baseline) or a plain ``vllm.LLM``
+    (gate.py's).
+    """
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    engine = getattr(model, "vllm_entrypoint", model).llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY, detokenize=detokenize)
+    following, running = 0, set()
+    while following < len(cut) or running:
+        while following < len(cut) and len(running) < in_flight:
+            engine.add_request(f"plain-window-{following}", {"prompt_token_ids": cut[following]}, params)
+            running.add(f"plain-window-{following}")
+            following += 1
+        for output in engine.step():
+            if output.finished:
+                running.discard(output.request_id)
+
+
 def steered_every_step(model, texts, vector, device, edit, tokens=TOKENS, batch=PER_TRACE):
     """``edit(model, vector)`` at every step of each prompt's generation, ``batch`` invokes per trace.
 

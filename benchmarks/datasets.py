@@ -41,7 +41,7 @@ import vlenvoys
 from vlenvoys.activations import collect_dataset, windows
 
 # This file's folder is on the path when it runs as a script.
-from bench import MAX_MODEL_LEN, PeakMemory, checkout, cuda_checkpoint, github_table, stop
+from bench import MAX_MODEL_LEN, PeakMemory, checkout, cuda_checkpoint, github_table, plain_prefill, stop
 from workloads import prompts
 
 
@@ -49,24 +49,6 @@ def client_cpu() -> float:
     """CPU seconds this process has used, every thread (vLLM's engine core runs in a process of its own)."""
     used = resource.getrusage(resource.RUSAGE_SELF)
     return used.ru_utime + used.ru_stime
-
-
-def plain_prefill(model, cut: list[list[int]], in_flight: int) -> None:
-    """Plain vLLM requests for ``cut``'s windows, one token each, at most ``in_flight`` at once, as collect submits them."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
-    engine = model.vllm_entrypoint.llm_engine
-    params = SamplingParams(temperature=0.0, max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY)
-    following, running = 0, set()
-    while following < len(cut) or running:
-        while following < len(cut) and len(running) < in_flight:
-            engine.add_request(f"plain-window-{following}", {"prompt_token_ids": cut[following]}, params)
-            running.add(f"plain-window-{following}")
-            following += 1
-        for output in engine.step():
-            if output.finished:
-                running.discard(output.request_id)
 
 
 def worker(model) -> dict:

@@ -268,25 +268,6 @@ class Servers:
             process.stop()
 
 
-def plain_windows(llm, cut: list[list[int]], in_flight: int) -> None:
-    """Plain requests for ``cut``'s windows on ``llm``, one token each, ``in_flight`` at once, as collect_dataset submits them."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
-    engine = llm.llm_engine
-    params = SamplingParams(temperature=0.0, max_tokens=1, output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
-    following, running = 0, set()
-    while following < len(cut) or running:
-        while following < len(cut) and len(running) < in_flight:
-            request = f"gate-window-{following}"
-            engine.add_request(request, {"prompt_token_ids": cut[following]}, params)
-            running.add(request)
-            following += 1
-        for output in engine.step():
-            if output.finished:
-                running.discard(output.request_id)
-
-
 def measure(args: argparse.Namespace) -> dict:
     """Start the engines, run the rounds, and return the gate's result (unjudged rows)."""
     import torch
@@ -294,7 +275,7 @@ def measure(args: argparse.Namespace) -> dict:
     import vlenvoys
     from vllm import LLM, SamplingParams
 
-    from bench import MAX_MODEL_LEN, cuda_checkpoint, requests, stop, traced
+    from bench import MAX_MODEL_LEN, cuda_checkpoint, plain_prefill, requests, stop, traced
     from vlenvoys.activations import collect_dataset, windows
     from vlenvoys.collect import collect
     from workloads import prompts
@@ -389,7 +370,8 @@ def measure(args: argparse.Namespace) -> dict:
             *[("generate", f"vg.steered_{key}", work.generate * work.tokens, "tokens/s",
                lambda each=each: vlenvoys.generate(vg, generate, every_step, steering=each, use_tqdm=False))
               for key, each in (("all", steering), ("half", half), ("none", None))],
-            ("datasets", "plain.windows", len(cut) * work.context_length, "tokens/s", lambda: plain_windows(plain, cut, in_flight)),
+            ("datasets", "plain.windows", len(cut) * work.context_length, "tokens/s",
+             lambda: plain_prefill(plain, cut, in_flight, detokenize=False)),
             ("datasets", "vl.dataset", len(cut) * work.context_length, "tokens/s", dataset),
             ("serve", "serve.plain", work.serve_requests * work.serve_tokens, "tokens/s", served("plain", 0, "plain")),
             ("serve", "serve.steered", work.serve_requests * work.serve_tokens, "tokens/s", served("steered", 1, "ours")),
