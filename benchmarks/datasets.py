@@ -62,7 +62,7 @@ def made_since(before: dict, after: dict) -> tuple[float, float]:
 
 
 def spent_since(before: dict, after: dict) -> dict[str, float]:
-    """Seconds of the worker's hooks, takes and (on a GPU) copies on the forward's stream between two `worker` readings."""
+    """Seconds of the worker's hooks, takes and (on a GPU) copies off the device (on their own stream) between two `worker` readings."""
     return {key: after[key] - before[key] for key in ("hook_seconds", "take_seconds", "copy_seconds")}
 
 

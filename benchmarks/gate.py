@@ -7,12 +7,12 @@ CUDA graphs), the vlenvoys engine (eager), the graph engine
 (``vlenvoys.load(cuda_graphs=True)``) and, for the serve rows, ``vllm serve``
 (default configuration) and ``vlenvoys serve --cuda-graphs``, all up at once on
 bench.py's random Llama of a 1B model's shape in bfloat16. Then it runs
-rounds: each round runs every row's baseline and then the row, back to back,
-so that the machine's drift (plain vLLM's own rate moved by 25 % between runs
-minutes apart) moves both sides of a round alike. A row's ratio is the median
-of its rounds' ratios (ours / baseline, in prompts/s or tokens/s), its
-``spread`` the largest less the smallest of them. The first round warms up
-and is not counted.
+rounds: in each round every row runs between two runs of its baseline (B, O1,
+B, O2, ..., B), so that the machine's drift (plain vLLM's own rate moved by 25 %
+between runs minutes apart) moves both sides alike, and its ratio that round
+is taken against the mean of the two. A row's ratio is the median of its
+rounds' ratios (ours / baseline, in prompts/s or tokens/s), its ``spread`` the
+largest less the smallest of them. The first round warms up and is not counted.
 
 Rows (`ROWS`): collect, collect_heads, trace3, trace_empty and graph_collect
 against plain prefill; graph_steered_all, graph_steered_half and
@@ -132,15 +132,21 @@ def judged(measured: dict[str, dict], floors: dict[str, float]) -> tuple[dict[st
     return rows, under
 
 
-def summarize(seconds: dict[str, list[float]], amounts: dict[str, int], units: dict[str, str], names: list[str]) -> dict[str, dict]:
-    """Rows from per-round seconds: rates of the medians, the median and spread of the per-round ratios."""
+def summarize(seconds: dict[str, list[float]], beside: dict[str, list[float]], amounts: dict[str, int],
+              units: dict[str, str], names: list[str]) -> dict[str, dict]:
+    """Rows from per-round seconds: rates of the medians, the median and spread of the per-round ratios.
+
+    ``seconds``: each measurement's seconds, a list per key (a baseline has several a round). ``beside``:
+    for each of ours, per round, the mean seconds of the two baseline runs either side of it, which its
+    ratio that round is taken against.
+    """
     rows = {}
     for name in names:
         row = ROWS[name]
-        ours, base = seconds.get(row.ours), seconds.get(row.baseline)
-        if not ours or not base or len(ours) != len(base):
+        ours, base, near = seconds.get(row.ours), seconds.get(row.baseline), beside.get(row.ours)
+        if not ours or not base or not near or len(ours) != len(near):
             continue
-        ratios = [b / o for o, b in zip(ours, base, strict=True)]  # the same amount on both sides: a ratio of rates
+        ratios = [b / o for o, b in zip(ours, near, strict=True)]  # the same amount on both sides: a ratio of rates
         rows[name] = {
             "ours": amounts[row.ours] / statistics.median(ours),
             "baseline": amounts[row.baseline] / statistics.median(base),
@@ -151,6 +157,22 @@ def summarize(seconds: dict[str, list[float]], amounts: dict[str, int], units: d
             "what": row.what,
         }
     return rows
+
+
+def round_order(runs: list[tuple], baselines: set[str]) -> list[tuple]:
+    """A round's runs: each group's baseline first, then each of its rows followed by the baseline again
+    (B, O1, B, O2, ..., B), so that every row runs between two baseline runs."""
+    order = []
+    for group in dict.fromkeys(run[0] for run in runs):
+        members = [run for run in runs if run[0] == group]
+        base = [run for run in members if run[1] in baselines]
+        if not base:
+            continue
+        order.append(base[0])
+        for run in members:
+            if run[1] not in baselines:
+                order += [run, base[0]]
+    return order
 
 
 def render(result: dict, source: str) -> str:
@@ -268,6 +290,11 @@ class Servers:
             process.stop()
 
 
+def worker_stats(model) -> dict[str, float]:
+    """A vlenvoys engine's worker figures since it began (`vlenvoys.collector.stats`)."""
+    return model.vllm_entrypoint.llm_engine.collective_rpc("vlenvoys_collect_stats")[0]
+
+
 def measure(args: argparse.Namespace) -> dict:
     """Start the engines, run the rounds, and return the gate's result (unjudged rows)."""
     import torch
@@ -380,21 +407,33 @@ def measure(args: argparse.Namespace) -> dict:
         wanted = {ROWS[name].ours for name in names} | {ROWS[name].baseline for name in names}
         runs = [run for run in runs if run[1] in wanted]
         seconds: dict[str, list[float]] = {key: [] for _, key, *_ in runs}
+        beside: dict[str, list[float]] = {}
         amounts = {key: amount for _, key, amount, _, _ in runs}
         units = {key: unit for _, key, _, unit, _ in runs}
+        order = round_order(runs, {ROWS[name].baseline for name in names})
+        worker_before = {name: worker_stats(engines[name]) for name in ("vl", "vg") if name in engines}
         rounds = args.rounds if args.rounds is not None else (1 if args.smoke else 5)
         for number in range(rounds + 1):
             started = time.perf_counter()
-            for _, key, _, _, run in runs:
+            took = []
+            for _, key, _, _, run in order:
                 at = time.perf_counter()
                 run()
-                if number:  # round 0 warms every engine, server and the worker's row memory up
-                    seconds[key].append(time.perf_counter() - at)
-            line = summarize({key: each[-1:] for key, each in seconds.items()}, amounts, units, names) if number else {}
+                took.append(time.perf_counter() - at)
+            if number:  # round 0 warms every engine, server and the worker's row memory up
+                for at, (_, key, *_) in enumerate(order):
+                    seconds[key].append(took[at])
+                    if 0 < at < len(order) - 1 and order[at - 1][1] == order[at + 1][1] != key:
+                        beside.setdefault(key, []).append((took[at - 1] + took[at + 1]) / 2)
+            line = summarize({key: each[-1:] for key, each in seconds.items()}, {key: each[-1:] for key, each in beside.items()},
+                             amounts, units, names) if number else {}
             print(f"round {number}/{rounds} in {time.perf_counter() - started:.0f} s"
                   + ("" if not number else ": " + ", ".join(f"{name} {row['ratio']:.3f}" for name, row in line.items())),
                   flush=True)
-        rows = summarize(seconds, amounts, units, names)
+        rows = summarize(seconds, beside, amounts, units, names)
+        # Where the worker's time in collections went over the counted and warm-up rounds (`vlenvoys.collector.Spent`).
+        worker = {name: {key: worker_stats(engines[name])[key] - before[key] for key in before}
+                  for name, before in worker_before.items()}
     finally:
         for engine in engines.values():
             stop(engine)
@@ -419,6 +458,7 @@ def measure(args: argparse.Namespace) -> dict:
         "seconds": round(time.perf_counter() - began, 1),
         "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "rows": rows,
+        "worker": worker,
     }
 
 

@@ -24,15 +24,24 @@ def gate_module():
 gate = gate_module()
 
 
-def test_a_rows_ratio_is_the_median_of_its_rounds_ratios():
-    # Baseline 1 s every round; ours 2, 1 and 4 s: ratios 0.5, 1 and 0.25 -> median 0.5, spread 0.75.
-    seconds = {"plain.prefill": [1.0, 1.0, 1.0], "vl.collect": [2.0, 1.0, 4.0]}
+def test_a_rows_ratio_is_the_median_of_its_rounds_ratios_against_the_baseline_runs_beside_it():
+    # The baseline runs beside ours take 1 s on average every round; ours 2, 1 and 4 s: ratios 0.5, 1 and 0.25.
+    seconds = {"plain.prefill": [0.5, 1.5, 1.0, 1.0, 1.0, 1.0], "vl.collect": [2.0, 1.0, 4.0]}
+    beside = {"vl.collect": [1.0, 1.0, 1.0]}
     amounts = {"plain.prefill": 100, "vl.collect": 100}
     units = {"plain.prefill": "prompts/s", "vl.collect": "prompts/s"}
-    (name, row), = gate.summarize(seconds, amounts, units, ["collect", "trace3"]).items()
+    (name, row), = gate.summarize(seconds, beside, amounts, units, ["collect", "trace3"]).items()
     assert name == "collect"  # trace3 was not measured: no row
     assert row["ratio"] == 0.5 and row["spread"] == 0.75 and row["rounds"] == [0.5, 1.0, 0.25]
     assert row["ours"] == 50.0 and row["baseline"] == 100.0 and row["unit"] == "prompts/s"
+
+
+def test_every_row_runs_between_two_runs_of_its_baseline():
+    runs = [("prefill", "plain.prefill"), ("prefill", "vl.collect"), ("prefill", "vl.trace3"),
+            ("serve", "serve.plain"), ("serve", "serve.capture")]
+    order = [key for _, key in gate.round_order(runs, {"plain.prefill", "serve.plain"})]
+    assert order == ["plain.prefill", "vl.collect", "plain.prefill", "vl.trace3", "plain.prefill",
+                     "serve.plain", "serve.capture", "serve.plain"]
 
 
 def test_rows_under_their_floors_are_named():

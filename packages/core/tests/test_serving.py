@@ -161,3 +161,23 @@ def test_an_async_http_client_works_after_import_vlenvoys():
     code = "import vlenvoys, anyio._backends._asyncio, anyio.streams.tls"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_capture_too_large_to_hold_names_sizes_under_a_mib_in_bytes():
+    from vlenvoys.capturing import CaptureError, Held
+
+    with pytest.raises(CaptureError, match=r"capture: 4,000 bytes of values, beyond the 1,000 bytes this server holds"):
+        Held(most=1000).put({"layer_output": torch.zeros(1000)})
+    with pytest.raises(CaptureError, match=r"capture: 4.0 MiB of values, beyond the 1.0 MiB"):
+        Held(most=2**20).put({"layer_output": torch.zeros(2**20)})
+
+
+def test_a_held_capture_is_taken_once_and_serialized_as_safetensors():
+    from safetensors.torch import load
+    from vlenvoys.capturing import CaptureGone, Held, as_file
+
+    held = Held()
+    name = held.put({"layer_output": torch.arange(6.0).view(2, 3)})
+    assert torch.equal(load(as_file(held.take(name)))["layer_output"], torch.arange(6.0).view(2, 3))
+    with pytest.raises(CaptureGone, match="fetched already"):
+        held.take(name)

@@ -617,6 +617,10 @@ def test_a_capture_is_fetched_once_and_an_unknown_id_is_a_404(server, client):
     entries = answer.model_extra["capture"]
     url = f"{server['url']}{entries[0]['url']}"
     assert httpx.get(url, timeout=60).status_code == 401, "captures are behind --api-key"
+    with pytest.raises(httpx.HTTPStatusError, match="no api_key was given; pass its key as fetch"):
+        fetch(server["url"], answer)
+    with pytest.raises(httpx.HTTPStatusError, match="the api_key given was refused"):
+        fetch(server["url"], answer, api_key="wrong")
     headers = {"Authorization": f"Bearer {KEY}"}
     first = httpx.get(url, headers=headers, timeout=60)
     assert first.status_code == 200 and first.headers["content-type"] == "application/octet-stream"
@@ -675,3 +679,32 @@ def test_a_steered_capture_is_fetched(server, client, prompts):
     assert list(steered.shape) == [1, len(ids) + STEPS - 1, 128]
     assert torch.equal(steered, decode(inline))
     assert not torch.allclose(steered, plain, atol=0.1), "the steering must show in the fetched capture"
+
+
+@pytest.mark.parametrize("transport", [None, "fetch"])
+def test_concurrent_captures_each_get_their_own_values(server, client, prompts, transport):
+    """24 capturing requests at once, which the server takes off the engine together (one take for all the
+    requests that finished meanwhile): each gets its own values, those of the same request run alone."""
+    from openai import AsyncOpenAI
+    from vlenvoys.capturing import fetch, fetch_async
+
+    capture = [{"value": "layer_output", "layers": [0, 2]}, {"value": "mlp_output", "layers": 1, "positions": "all"}]
+    firsts = prompts[:4]
+    alone = [fetch(server["url"], captured(client, server, ids, capture, transport), api_key=KEY) for ids in firsts]
+
+    async def one(together, number):
+        answer = await together.completions.create(
+            model=server["model"], prompt=firsts[number % len(firsts)], max_tokens=STEPS, temperature=0.0,
+            extra_body={"capture": capture, "ignore_eos": True, **({"capture_transport": transport} if transport else {})},
+        )
+        return await fetch_async(server["url"], answer, api_key=KEY)
+
+    async def all_at_once():
+        async with AsyncOpenAI(base_url=f"{server['url']}/v1", api_key=KEY, max_retries=0, timeout=300) as together:
+            return await asyncio.gather(*(one(together, number) for number in range(24)))
+
+    for number, got in enumerate(asyncio.run(all_at_once())):
+        want = alone[number % len(firsts)]
+        assert len(got) == len(want) == 2
+        for value, tensor, expected in zip(("layer_output", "mlp_output"), got, want, strict=True):
+            assert_same_values(tensor, expected, f"request {number}: {value}", exact_here())

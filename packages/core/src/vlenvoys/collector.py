@@ -88,9 +88,8 @@ class Spent:
     device, which a CPU engine does there and a GPU queues, making a chunk
     where none is free). ``takes``: seconds answering takes,
     which the engine's process waits for between two steps. ``copies``: on a
-    GPU, seconds the copies off the device took on the forward's own stream
-    (the kernels after each waited for it), timed by CUDA events and counted
-    once both have passed.
+    GPU, seconds the copies off the device took on their own stream (beside
+    the forward's kernels), timed by CUDA events and counted once both have passed.
     """
 
     def __init__(self) -> None:
@@ -175,18 +174,11 @@ class Collector:
             else:
                 rows = torch.cat([tensor.narrow(0, start, count) for _, start, count in spans])
             host, chunk, offset = self.arena.block(rows.shape, rows.dtype, holders=len(spans))
-            copying = None
-            if self.arena.device_copies:
-                copying = torch.cuda.Event(enable_timing=True)
-                copying.record()
-            host.copy_(rows, non_blocking=True)  # queued on the stream (`take` waits for it)
             copied = None
-            if copying is not None:
-                copied = torch.cuda.Event(enable_timing=True)
-                copied.record()
-                self.spent.timed.append((copying, copied))
-                if len(self.spent.timed) > TIMED:  # nobody took for a while (a server between requests)
-                    self.spent.count_copies()
+            if self.arena.device_copies:
+                copied = self._copy_off_device(host, rows)
+            else:
+                host.copy_(rows)
             if key not in self.row_layouts:
                 self.row_layouts[key] = (list(rows.shape[1:]), str(rows.dtype).removeprefix("torch."))
             row_bytes = rows[0].numel() * rows.element_size()
@@ -201,6 +193,29 @@ class Collector:
         if side == "input":
             return module.register_forward_pre_hook(lambda module, args, kwargs: read((args, kwargs)), with_kwargs=True)
         return module.register_forward_hook(lambda module, args, kwargs, output: read(output), with_kwargs=True)
+
+    def _copy_off_device(self, host: torch.Tensor, rows: torch.Tensor) -> Any:
+        """Queue the copy of ``rows`` into ``host`` (pinned) on the worker's copy stream; the event after it.
+
+        On the forward's own stream the copy held every kernel after it until it was done. On a stream of
+        its own it overlaps the rest of the forward: the rows
+        are first copied on the device (fast), as the next kernels may write over the module's output in
+        place, and the copy stream waits for that; `take` waits for the event.
+        """
+        staged = rows.clone()
+        stream = copy_stream(self.runner)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            copying = torch.cuda.Event(enable_timing=True)
+            copying.record()
+            host.copy_(staged, non_blocking=True)
+            copied = torch.cuda.Event(enable_timing=True)
+            copied.record()
+        staged.record_stream(stream)  # its device memory is not reused before the copy has read it
+        self.spent.timed.append((copying, copied))
+        if len(self.spent.timed) > TIMED:  # nobody took for a while (a server between requests)
+            self.spent.count_copies()
+        return copied
 
     def spans(self, key: str) -> list[tuple[str, int, int]]:
         """This step's rows of this collector's requests not yet read at ``key``: (request id, first row, rows).
@@ -260,9 +275,9 @@ class Collector:
         self.arena.acknowledge(self.name)
         order, missing, dropped, prompts = [], {}, [], {}
         pieces: dict[str, list[list[Piece]]] = {key: [] for key in self.layouts}
-        # The copies off the device were queued on the stream. A finished request's are done by now (they came
-        # before the sampling its outputs waited for), so these waits return at once: unlike a synchronize of the
-        # stream, they do not wait for the step the engine has queued since (asynchronous scheduling).
+        # The copies off the device were queued on the copy stream, each behind the forward that made its rows:
+        # a finished request's have mostly landed by now. These waits are for its own copies alone: unlike a
+        # synchronize, they do not wait for the step the engine has queued since (asynchronous scheduling).
         engine_ids = [self.engine_ids.pop(caller_id, caller_id) for caller_id in requests]
         for caller_id, request in zip(requests, engine_ids, strict=True):
             if request not in self.prompts:  # not admitted (yet): if it comes later, it is not read
@@ -306,7 +321,7 @@ class Collector:
             handle.remove()
         self.handles.clear()
         if self.arena.device_copies:
-            torch.cuda.current_stream().synchronize()  # no copy may still be writing into a chunk let go
+            copies_done(self.runner)  # no copy may still be writing into a chunk let go
             self.spent.count_copies()
         self.arena.release([piece for values in self.rows.values() for each in values.values() for piece in each])
         self.arena.acknowledge(self.name)  # the client stops after it has mapped every handover
@@ -361,6 +376,21 @@ def worker_arena(runner: Any) -> Arena:
     return runner.vlenvoys_arena
 
 
+def copy_stream(runner: Any) -> Any:
+    """The worker's CUDA stream for copies of rows off the device (`Collector._copy_off_device`), kept for its life."""
+    if getattr(runner, "vlenvoys_copy_stream", None) is None:
+        runner.vlenvoys_copy_stream = torch.cuda.Stream(device=runner.device)
+    return runner.vlenvoys_copy_stream
+
+
+def copies_done(runner: Any) -> None:
+    """Wait until every copy off the device queued so far has landed in host memory."""
+    torch.cuda.current_stream().synchronize()  # what the copy stream waits for
+    stream = getattr(runner, "vlenvoys_copy_stream", None)
+    if stream is not None:
+        stream.synchronize()
+
+
 def stats(worker: Any) -> dict[str, float]:
     """Since the worker began: its arena's `vlenvoys.handover.Arena.stats` and the time its collections took (`Spent`).
 
@@ -378,7 +408,7 @@ def close_arena(worker: Any) -> None:
     arena = getattr(worker.model_runner, "vlenvoys_arena", None)
     if arena is not None:
         if arena.device_copies:
-            torch.cuda.current_stream().synchronize()  # no copy may still be writing into a chunk let go
+            copies_done(worker.model_runner)  # no copy may still be writing into a chunk let go
         arena.close()
         worker.model_runner.vlenvoys_arena = None
 

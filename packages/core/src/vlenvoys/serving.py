@@ -50,6 +50,7 @@ range gets there) is left unsteered from then on, as under
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import json
@@ -447,7 +448,7 @@ class SteeringMiddleware:
             listed = [{"name": name, "norm": float(vector.norm())} for name, vector in sorted(self.vectors.named.items())]
             return await _json(200, {"object": "list", "data": listed, "hidden_size": self.shape[0]})(scope, receive, send)
         if fetching and scope["method"] == "GET":
-            return await self._fetched(path.removeprefix(CAPTURES_PATH + "/"))(scope, receive, send)
+            return await (await self._fetched(path.removeprefix(CAPTURES_PATH + "/")))(scope, receive, send)
         body, disconnected = b"", False
         while True:
             message = await receive()
@@ -527,17 +528,18 @@ class SteeringMiddleware:
         await send({**start, "status": status, "headers": [*headers, (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
-    def _fetched(self, name: str) -> Any:
+    async def _fetched(self, name: str) -> Any:
         """A held capture's values as safetensors bytes, once (`capturing.Held.take`); else a 404 saying why."""
         from starlette.responses import Response
 
-        from .capturing import CaptureGone
+        from .capturing import CaptureGone, as_file
 
         try:
-            data = self.captures.held.take(name)
+            tensors = self.captures.held.take(name)
         except CaptureGone as error:
             return _error(str(error), "id", 404)
-        return Response(data, media_type="application/octet-stream")
+        # Serialized off the event loop: a capture may be tens of MiB, and other requests stream meanwhile.
+        return Response(await asyncio.to_thread(as_file, tensors), media_type="application/octet-stream")
 
     def _register(self, body: bytes) -> Any:
         try:
