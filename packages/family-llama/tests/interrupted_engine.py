@@ -5,7 +5,8 @@
 For each kind of work it prints ``start KIND``, runs it until the test's SIGINT to the whole group
 (a terminal's Ctrl-C) raises KeyboardInterrupt here, prints ``interrupted KIND SECONDS`` (from the
 signal to the exception), then collects a few prompts and prints ``alive KIND`` if their values
-equal the same prompts' collected before any interrupt.
+equal the same prompts' collected before any interrupt. Then it prints ``engine PIDS`` (vLLM's engine
+processes) and waits to be killed outright, which must end those processes too.
 """
 
 from __future__ import annotations
@@ -70,7 +71,12 @@ def main() -> None:
         after = collect(model, few, "layer_output", [0, 2])
         same = all(torch.equal(a, b) for key in before for a, b in zip(before[key], after[key], strict=True))
         print(f"{'alive' if same else 'changed'} {kind}", flush=True)
-    vlenvoys.shutdown(model)
+    # Last, the test kills this process outright (SIGKILL, this process alone): the engine must not outlive it.
+    import psutil
+
+    engine = [child.pid for child in psutil.Process().children(recursive=True) if "VLLM" in child.name()]
+    print(f"engine {' '.join(map(str, engine))}", flush=True)
+    time.sleep(600)
 
 
 if __name__ == "__main__":

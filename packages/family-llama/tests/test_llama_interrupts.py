@@ -37,10 +37,16 @@ def interrupted(tmp_path_factory) -> dict[str, list[str]]:
     killer = threading.Timer(600, lambda: os.killpg(process.pid, signal.SIGKILL))
     killer.start()
     lines: dict[str, list[str]] = {kind: [] for kind in KINDS}
+    lines["orphaned"] = []
     log = []
     try:
         for line in process.stdout:
             log.append(line)
+            if line.startswith("engine "):
+                engine = [int(pid) for pid in line.split()[1:]]
+                os.kill(process.pid, signal.SIGKILL)  # the caller alone, killed outright; its engine is in another group
+                lines["orphaned"] = still_running(engine, within=30.0)
+                break
             # The script's own lines; a progress bar may have left no newline before one.
             for found in re.finditer(rf"\b(start|interrupted|finished|alive|changed) ({'|'.join(KINDS)})\b( [0-9.]+)?", line):
                 lines[found.group(2)].append(found.group(0))
@@ -52,8 +58,30 @@ def interrupted(tmp_path_factory) -> dict[str, list[str]]:
         killer.cancel()
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
-    assert process.returncode == 0, "".join(log[-60:])
+    assert process.returncode == -signal.SIGKILL and "engine" not in lines["orphaned"], "".join(log[-60:])
     return lines
+
+
+def still_running(pids: list[int], within: float) -> list[str]:
+    """Those of ``pids`` still running (zombies aside) ``within`` seconds from now, or "engine" if none were given."""
+    import psutil
+
+    if not pids:
+        return ["engine"]
+    deadline = time.monotonic() + within
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        if not alive or time.monotonic() > deadline:
+            for pid in alive:
+                os.kill(pid, signal.SIGKILL)  # no engine left behind by a failing test
+            return [str(pid) for pid in alive]
+        time.sleep(0.5)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -63,3 +91,9 @@ def test_an_interrupt_of_the_whole_process_group_leaves_the_engine_serving(inter
     assert lines[1].startswith(f"interrupted {kind} "), f"the work was not interrupted: {lines}"
     assert lines[2] == f"alive {kind}", f"after the interrupt the engine gave other values, or none: {lines}"
     print(f"{kind}: the KeyboardInterrupt came {float(lines[1].split()[-1]):.3f} s after the signal")
+
+
+def test_an_engine_whose_caller_is_killed_outright_shuts_down(interrupted):
+    """The engine's processes lead a group of their own (no terminal's signal reaches them), so they watch
+    their caller: killed with SIGKILL, it leaves no engine holding memory behind."""
+    assert interrupted["orphaned"] == [], f"engine processes still running 30 s after their caller was killed: {interrupted['orphaned']}"

@@ -726,9 +726,16 @@ def interrupts_stay_with_the_caller() -> Iterator[None]:
     blocked nor an ignored SIGINT would do: a spawned child starts with an
     empty signal mask, and vLLM's processes set their own SIGINT handlers.
 
+    Out of the caller's group, the engine no longer hears the signals that
+    ended it with its caller (a closed terminal's SIGHUP, a Ctrl-C that ends
+    the program), and vLLM's engine process does not notice its caller's exit:
+    a caller killed outright would leave the engine holding its memory. So
+    each engine process also watches its parent (`ORPHAN_WATCH`) and
+    shuts down (SIGTERM, which vLLM handles) once it is gone.
+
     A spawned process (vLLM's default where CUDA is set up, and the CPU
-    engine's) runs ``os.setpgid(0, 0)`` first in its command line; a forked
-    one at fork (`_own_group`).
+    engine's) runs ``os.setpgid(0, 0)`` and the watch first in its command
+    line; a forked one at fork (`_own_group`).
     """
     global _STARTING_ENGINE
     from multiprocessing import spawn
@@ -738,7 +745,7 @@ def interrupts_stay_with_the_caller() -> Iterator[None]:
     def own_group(**kwargs: Any) -> list[str]:
         line = command_line(**kwargs)
         program = line.index("-c") + 1
-        line[program] = f"import os; os.setpgid(0, 0); {line[program]}"
+        line[program] = f"import os; os.setpgid(0, 0); exec({ORPHAN_WATCH!r}, {{}}); {line[program]}"
         return line
 
     spawn.get_command_line, _STARTING_ENGINE = own_group, True
@@ -751,6 +758,25 @@ def interrupts_stay_with_the_caller() -> Iterator[None]:
 def _own_group() -> None:
     if _STARTING_ENGINE:  # a child forked while an engine starts: vLLM's engine core
         os.setpgid(0, 0)
+        exec(ORPHAN_WATCH, {})
+
+
+#: Run first in an engine process (stdlib only: nothing else is imported yet): a daemon thread that sends
+#: the process SIGTERM once its parent, the caller, has gone (the process is then adopted: its parent pid
+#: changes), and SIGKILL to its process group (it and its workers) if it is still there 10 s later: a
+#: SIGTERM that comes while vLLM waits in a ZeroMQ poll (its start-up handshake) is lost there.
+ORPHAN_WATCH = """
+import os, signal, threading, time
+
+def _vlenvoys_watch(parent=os.getppid()):
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(10.0)
+    os.killpg(os.getpgid(0), signal.SIGKILL)
+
+threading.Thread(target=_vlenvoys_watch, name="vlenvoys-orphan-watch", daemon=True).start()
+"""
 
 
 if hasattr(os, "register_at_fork"):
