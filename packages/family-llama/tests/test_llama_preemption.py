@@ -113,6 +113,19 @@ def test_collect_reads_each_row_once(model):
             assert torch.equal(got[key][index], want[key][index]), (key, index)
 
 
+def test_collect_of_values_no_hook_reads_is_refused_when_chunked(model):
+    """The general path (an nnsight block a request) cannot join a prompt prefilled in chunks: refused, not short.
+
+    Only chunked prompts are ever preempted (collect generates no token), so this path is never read twice.
+    """
+    want = collect(model, SHORT, "attention_probabilities", [1], batch_size=1)
+    got = collect(model, SHORT, "attention_probabilities", [1], batch_size=len(SHORT))  # short prompts: no chunks
+    assert all(torch.equal(one, other) for one, other in zip(got["attention_probabilities.1"], want["attention_probabilities.1"], strict=True))
+    with pytest.raises(RuntimeError, match="collect.s block could not read it whole"):
+        collect(model, LONG, "attention_probabilities", [1], batch_size=len(LONG))
+    assert idle(model)
+
+
 def test_collect_dataset_equals_an_unpressured_run(model, tiny, tmp_path):
     """Windows of a corpus under pressure: the same shards, row for row, as windows read one at a time."""
     source = tmp_path / "corpus.jsonl"
