@@ -76,7 +76,8 @@ def model(tiny):
 
 def preemptions(model) -> int:
     """The engine's preemption counter (vLLM's ``vllm:num_preemptions``) since it started."""
-    return int(next(metric.value for metric in model.vllm_entrypoint.get_metrics() if metric.name == "vllm:num_preemptions"))
+    metrics = model.vllm_entrypoint.get_metrics()
+    return int(next(metric.value for metric in metrics if metric.name == "vllm:num_preemptions"))
 
 
 class Counted:
@@ -120,7 +121,8 @@ def test_collect_of_values_no_hook_reads_is_refused_when_chunked(model):
     """
     want = collect(model, SHORT, "attention_probabilities", [1], batch_size=1)
     got = collect(model, SHORT, "attention_probabilities", [1], batch_size=len(SHORT))  # short prompts: no chunks
-    assert all(torch.equal(one, other) for one, other in zip(got["attention_probabilities.1"], want["attention_probabilities.1"], strict=True))
+    pairs = zip(got["attention_probabilities.1"], want["attention_probabilities.1"], strict=True)
+    assert all(torch.equal(one, other) for one, other in pairs)
     with pytest.raises(RuntimeError, match="collect.s block could not read it whole"):
         collect(model, LONG, "attention_probabilities", [1], batch_size=len(LONG))
     assert idle(model)
@@ -132,10 +134,11 @@ def test_collect_dataset_equals_an_unpressured_run(model, tiny, tmp_path):
     texts = [model.tokenizer.decode(prompt[1:]) for prompt in LONG]
     source.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
     arguments = {"context_length": 200, "dtype": "float32", "shard_tokens": 400, "progress": False}
+    values = ["layer_output", "mlp_neurons"]
     with Counted(lambda: preemptions(model)) as alone:
-        collect_dataset(model, str(source), tmp_path / "alone", ["layer_output", "mlp_neurons"], [0, 2], batch_size=1, **arguments)
+        collect_dataset(model, str(source), tmp_path / "alone", values, [0, 2], batch_size=1, **arguments)
     with Counted(lambda: preemptions(model)) as pressed:
-        collect_dataset(model, str(source), tmp_path / "pressed", ["layer_output", "mlp_neurons"], [0, 2], batch_size=6, **arguments)
+        collect_dataset(model, str(source), tmp_path / "pressed", values, [0, 2], batch_size=6, **arguments)
     assert alone.count == 0 and pressed.count > 0, (alone.count, pressed.count)
     want, got = Activations(tmp_path / "alone"), Activations(tmp_path / "pressed")
     assert len(got.shards) == len(want.shards) > 1
@@ -151,6 +154,10 @@ def steered(model, prompts, steering, steps=STEPS) -> list:
     return vlenvoys.generate(model, prompts, params, steering=steering, use_tqdm=False)
 
 
+def logprobs_of(output) -> list[dict[int, float]]:
+    return [{token: entry.logprob for token, entry in step.items()} for step in output.outputs[0].logprobs]
+
+
 def test_steered_generation_equals_an_unpressured_run(model):
     """Steering at every position, and at some positions only: recomputed positions are steered again, as before."""
     everywhere = vlenvoys.Steering(1, VECTOR, 1.0)
@@ -163,8 +170,7 @@ def test_steered_generation_equals_an_unpressured_run(model):
     assert alone.count == 0 and pressed.count > 0, (alone.count, pressed.count)
     for index, (one, other) in enumerate(zip(got, want, strict=True)):
         assert list(one.outputs[0].token_ids) == list(other.outputs[0].token_ids), index
-        logprobs = [[{token: entry.logprob for token, entry in step.items()} for step in output.outputs[0].logprobs] for output in (one, other)]
-        assert logprobs[0] == logprobs[1], index
+        assert logprobs_of(one) == logprobs_of(other), index
 
 
 def traced_steps(model, prompts) -> list[list[torch.Tensor]]:
@@ -185,9 +191,11 @@ def test_a_trace_under_tracer_iter_is_refused_by_name_and_the_engine_goes_on(mod
     with Counted(lambda: preemptions(model)) as alone:
         want = [traced_steps(model, [prompt])[0] for prompt in SHORT]
     assert alone.count == 0
-    assert all(len(steps) == STEPS and steps[0].shape[1] == len(prompt) for steps, prompt in zip(want, SHORT, strict=True))
-    with Counted(lambda: preemptions(model)) as pressed, pytest.raises(vlenvoys.Preempted, match="preempted this request"):
-        traced_steps(model, SHORT)
+    for steps, prompt in zip(want, SHORT, strict=True):
+        assert len(steps) == STEPS and steps[0].shape[1] == len(prompt)
+    with Counted(lambda: preemptions(model)) as pressed:
+        with pytest.raises(vlenvoys.Preempted, match="preempted this request"):
+            traced_steps(model, SHORT)
     assert pressed.count > 0
     assert idle(model)
     # The engine goes on: the same trace, a request at a time, gives the same steps.
@@ -264,7 +272,7 @@ def test_served_capture_of_prompt_and_generated_positions(server):
     assert alone.count == 0 and pressed.count > 0, (alone.count, pressed.count)
     for index, (one, other) in enumerate(zip(got, want, strict=True)):
         assert one["choices"][0]["logprobs"]["tokens"] == other["choices"][0]["logprobs"]["tokens"], index
-        assert one["choices"][0]["logprobs"]["token_logprobs"] == other["choices"][0]["logprobs"]["token_logprobs"], index
+        assert one["choices"][0]["logprobs"]["token_logprobs"] == other["choices"][0]["logprobs"]["token_logprobs"]
         rows = len(SHORT[index]) + STEPS - 1  # the last token sampled is never fed back
         for entry, expected in zip(one["capture"], other["capture"], strict=True):
             assert entry["shape"] == expected["shape"], (index, entry["value"])

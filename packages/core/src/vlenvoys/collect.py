@@ -616,7 +616,9 @@ def serve_private_edits(requests: Any) -> None:
         refuse(spans, states)
         for request_id, scheduled in spans:
             request, state = requests.requests.get(request_id), states.get(request_id)
-            if request is None or state is None or request.error is not None or state.num_computed_tokens + scheduled >= state.num_prompt_tokens:
+            if request is None or state is None or request.error is not None:
+                continue
+            if state.num_computed_tokens + scheduled >= state.num_prompt_tokens:
                 continue
             if any((requests.names.get(key) or "").startswith(PRIVATE) for key in request.copies):
                 from nnsight.intervention.errors import capture_exception
