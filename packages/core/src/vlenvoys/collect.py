@@ -589,6 +589,8 @@ def serve_private_edits(requests: Any) -> None:
     ``nnsight_requests`` (nnsight's ``Requests``); its ``add`` is wrapped to drop
     a private registration's copy from each new request that did not ask for it
     by name, before any block starts. Other registrations keep nnsight's rule.
+    Its ``refuse_chunked`` is wrapped to refuse, by name, a request whose copy of
+    such a registration would see its prompt split by chunked prefill.
     """
     add = requests.add
 
@@ -605,3 +607,28 @@ def serve_private_edits(requests: Any) -> None:
                     request.copies.pop(registration_id, None)
 
     requests.add = add_private
+    refuse = requests.refuse_chunked
+
+    def refuse_chunked(spans: list, states: dict) -> None:
+        # nnsight refuses a trace's prompt split across steps by chunked prefill, not a registration's copy: collect's
+        # block (values no hook reads) read the first chunk's rows and ended, its values short (measured: 32 rows of
+        # 201, in steps of 32). Refused the same way, by name.
+        refuse(spans, states)
+        for request_id, scheduled in spans:
+            request, state = requests.requests.get(request_id), states.get(request_id)
+            if request is None or state is None or request.error is not None:
+                continue
+            if state.num_computed_tokens + scheduled >= state.num_prompt_tokens:
+                continue
+            if any((requests.names.get(key) or "").startswith(PRIVATE) for key in request.copies):
+                from nnsight.intervention.errors import capture_exception
+
+                request.error = capture_exception(RuntimeError(
+                    f"this request's {state.num_prompt_tokens}-token prompt was split across steps by chunked prefill "
+                    f"({scheduled} tokens this step), so collect's block could not read it whole; load without "
+                    "enable_chunked_prefill=True, or raise max_num_batched_tokens (and long_prefill_token_threshold) "
+                    "past the prompt length"
+                ))
+                request.copies = {}
+
+    requests.refuse_chunked = refuse_chunked

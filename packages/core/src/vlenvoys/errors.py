@@ -5,7 +5,7 @@ from __future__ import annotations
 import builtins
 import re
 
-__all__ = ["DECODE_STEP", "FUSED_ROUTING", "GATED", "NOT_ROUTED", "PARALLEL", "ROUTED", "InvalidWrite", "NoSuchBlock", "ReadOnly", "SkipRefused", "UnknownArchitecture", "Unavailable"]
+__all__ = ["DECODE_STEP", "FUSED_ROUTING", "GATED", "NOT_ROUTED", "PARALLEL", "ROUTED", "InvalidWrite", "NoSuchBlock", "Preempted", "ReadOnly", "SkipRefused", "UnknownArchitecture", "Unavailable"]
 
 #: Scores and patterns are recomputed from one step's queries and keys; on a decode step the
 #: earlier keys are in vLLM's KV cache, which only its kernel reads.
@@ -81,7 +81,7 @@ def reraise(error: RuntimeError) -> None:
     message = rest.split("\n\nIntervention traceback:")[0]
     if name == "Unavailable":
         raise Unavailable.from_message(message) from error
-    simple = {cls.__name__: cls for cls in (InvalidWrite, NoSuchBlock, ReadOnly, SkipRefused)}
+    simple = {cls.__name__: cls for cls in (InvalidWrite, NoSuchBlock, Preempted, ReadOnly, SkipRefused)}
     if name in simple:
         raise simple[name](message) from error
     if "Expected all tensors to be on the same device" in text:  # torch's words, however nnsight wraps them
@@ -136,6 +136,18 @@ class InvalidWrite(ValueError):
 
     The model keeps what it had, and the engine goes on serving every other
     request in the step.
+    """
+
+
+class Preempted(RuntimeError):
+    """A traced request (or one an installed edit runs on) that vLLM preempted and recomputed, refused.
+
+    Under key/value-cache pressure vLLM takes a running request's cache blocks for
+    others and later recomputes the request's tokens from the start (or from a
+    cached prefix) in new steps. A block would see those positions a second time
+    as extra steps of ``tracer.iter``, and the edits it made there earlier would
+    not be in the recomputed cache, so the request's block is ended with this
+    error instead of serving values that differ from an unpressured run.
     """
 
 
