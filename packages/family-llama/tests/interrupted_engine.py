@@ -2,7 +2,8 @@
 
     python interrupted_engine.py CHECKPOINT FOLDER
 
-For each kind of work it prints ``start KIND``, runs it until the test's SIGINT to the whole group
+First its engine's start is interrupted (``start load``, ``interrupted load SECONDS``, then
+``stopped load`` once no engine process is left). For each kind of work it prints ``start KIND``, runs it until the test's SIGINT to the whole group
 (a terminal's Ctrl-C) raises KeyboardInterrupt here, prints ``interrupted KIND SECONDS`` (from the
 signal to the exception), then collects a few prompts and prints ``alive KIND`` if their values
 equal the same prompts' collected before any interrupt. Then it prints ``engine PIDS`` (vLLM's engine
@@ -36,6 +37,22 @@ def main() -> None:
         SIGNALLED.append(time.perf_counter())
         previous(signum, frame)
 
+    signal.signal(signal.SIGINT, noted)
+    import psutil
+
+    def engine_processes() -> list:
+        return [child for child in psutil.Process().children(recursive=True)
+                if "VLLM" in child.name() and child.status() != psutil.STATUS_ZOMBIE]
+
+    # First the start itself, interrupted by the test once vLLM's engine process runs.
+    print("start load", flush=True)
+    try:
+        vlenvoys.load(checkpoint, enable_prefix_caching=False)
+        print("finished load", flush=True)
+    except KeyboardInterrupt:
+        print("interrupted load", flush=True)  # vlenvoys held the signal until the start was wound up
+    time.sleep(1.0)
+    print(f"{'alive' if engine_processes() else 'stopped'} load", flush=True)
     signal.signal(signal.SIGINT, noted)
     model = vlenvoys.load(checkpoint, enable_prefix_caching=False)
     few = [[5, 17, 33, 8, 91, 4], [7, 7, 12, 250, 3]]
@@ -72,9 +89,7 @@ def main() -> None:
         same = all(torch.equal(a, b) for key in before for a, b in zip(before[key], after[key], strict=True))
         print(f"{'alive' if same else 'changed'} {kind}", flush=True)
     # Last, the test kills this process outright (SIGKILL, this process alone): the engine must not outlive it.
-    import psutil
-
-    engine = [child.pid for child in psutil.Process().children(recursive=True) if "VLLM" in child.name()]
+    engine = [child.pid for child in engine_processes()]
     print(f"engine {' '.join(map(str, engine))}", flush=True)
     time.sleep(600)
 

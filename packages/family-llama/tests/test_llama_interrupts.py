@@ -23,6 +23,8 @@ import pytest
 from vlenvoys.testing import tiny_model
 
 KINDS = ["collect", "trace", "collect_dataset", "generate"]
+#: What the script is interrupted in: its engine's start, then each kind of work.
+STEPS = ["load", *KINDS]
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +38,7 @@ def interrupted(tmp_path_factory) -> dict[str, list[str]]:
                                env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
     killer = threading.Timer(600, lambda: os.killpg(process.pid, signal.SIGKILL))
     killer.start()
-    lines: dict[str, list[str]] = {kind: [] for kind in KINDS}
+    lines: dict[str, list[str]] = {kind: [] for kind in STEPS}
     lines["orphaned"] = []
     log = []
     try:
@@ -48,9 +50,12 @@ def interrupted(tmp_path_factory) -> dict[str, list[str]]:
                 lines["orphaned"] = still_running(engine, within=30.0)
                 break
             # The script's own lines; a progress bar may have left no newline before one.
-            for found in re.finditer(rf"\b(start|interrupted|finished|alive|changed) ({'|'.join(KINDS)})\b( [0-9.]+)?", line):
+            for found in re.finditer(rf"\b(start|interrupted|finished|alive|stopped|changed) ({'|'.join(STEPS)})\b( [0-9.]+)?", line):
                 lines[found.group(2)].append(found.group(0))
-                if found.group(1) == "start":
+                if found.group(1) == "start" and found.group(2) == "load":
+                    engine_started(process.pid, within=300.0)  # vLLM's engine process runs: the start is under way
+                    os.killpg(process.pid, signal.SIGINT)
+                elif found.group(1) == "start":
                     time.sleep(2.0)  # well into the work
                     os.killpg(process.pid, signal.SIGINT)  # the whole group, as a terminal's Ctrl-C
         process.wait(60)
@@ -60,6 +65,20 @@ def interrupted(tmp_path_factory) -> dict[str, list[str]]:
             os.killpg(process.pid, signal.SIGKILL)
     assert process.returncode == -signal.SIGKILL and "engine" not in lines["orphaned"], "".join(log[-60:])
     return lines
+
+
+def engine_started(pid: int, within: float) -> None:
+    """Wait until a vLLM engine process runs under ``pid``."""
+    import psutil
+
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            if any("VLLM" in child.name() for child in psutil.Process(pid).children(recursive=True)):
+                return
+        except psutil.NoSuchProcess:
+            return
+        time.sleep(0.05)
 
 
 def still_running(pids: list[int], within: float) -> list[str]:
@@ -97,3 +116,12 @@ def test_an_engine_whose_caller_is_killed_outright_shuts_down(interrupted):
     """The engine's processes lead a group of their own (no terminal's signal reaches them), so they watch
     their caller: killed with SIGKILL, it leaves no engine holding memory behind."""
     assert interrupted["orphaned"] == [], f"engine processes still running 30 s after their caller was killed: {interrupted['orphaned']}"
+
+
+def test_an_interrupt_while_the_engine_starts_stops_the_start_and_the_engine(interrupted):
+    """vLLM's start-up waits in ZeroMQ polls, where pyzmq drops a KeyboardInterrupt: the interrupt was lost (the model
+    loaded anyway) or left caller and engine waiting for each other. Now the start is wound up and interrupted."""
+    lines = interrupted["load"]
+    assert lines[:1] == ["start load"]
+    assert lines[1] == "interrupted load", f"the start was not interrupted: {lines}"
+    assert lines[2] == "stopped load", f"engine processes outlived the interrupted start: {lines}"

@@ -267,8 +267,13 @@ def test_served_capture_of_prompt_and_generated_positions(server):
     url = server["url"]
     with Counted(lambda: served_preemptions(url)) as alone:
         want = [completion(url, prompt) for prompt in SHORT]
-    with Counted(lambda: served_preemptions(url)) as pressed, ThreadPoolExecutor(len(SHORT)) as pool:
-        got = list(pool.map(lambda prompt: completion(url, prompt), SHORT))
+    # Requests sent over HTTP from threads may reach the engine apart on a loaded machine, too few at once for
+    # a preemption: the run is tried again, up to three times, and the last one's values are checked.
+    for _ in range(3):
+        with Counted(lambda: served_preemptions(url)) as pressed, ThreadPoolExecutor(len(SHORT)) as pool:
+            got = list(pool.map(lambda prompt: completion(url, prompt), SHORT))
+        if pressed.count > 0:
+            break
     assert alone.count == 0 and pressed.count > 0, (alone.count, pressed.count)
     for index, (one, other) in enumerate(zip(got, want, strict=True)):
         assert one["choices"][0]["logprobs"]["tokens"] == other["choices"][0]["logprobs"]["tokens"], index

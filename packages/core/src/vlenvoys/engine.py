@@ -5,6 +5,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
+import sys
+import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -77,9 +80,13 @@ class StandardizedVLLM(VLLM):
         self._WORKER_CLS = worker_class()
         _spawn_on_a_gpu()
         # Its workers' row files are named for it (`shutdown` waits for them to go); a Ctrl-C stops the caller alone.
-        with engine_named() as name, interrupts_stay_with_the_caller():
+        with engine_named() as name, interrupts_stay_with_the_caller(), interrupts_held_while_starting() as heard:
             self._engine_name = name
-            return super()._load(repo_id, **kwargs)
+            loaded = super()._load(repo_id, **kwargs)
+        if heard:  # a Ctrl-C came while the engine started: it is stopped now, and the caller interrupted
+            shutdown(self)
+            raise KeyboardInterrupt("interrupted while the engine started; it has been shut down")
+        return loaded
 
     #: Set by `_load`: the name the engine's workers' arenas start with (`vlenvoys.handover.engine_named`).
     _engine_name: str | None = None
@@ -707,6 +714,34 @@ def load(model: str | os.PathLike | None = None, *, cuda_graphs: bool = False, *
     loaded._built_keys = {}
     loaded._built_keys.update((envoy.path, frozenset(envoy.__dict__)) for envoy in loaded.modules())
     return loaded
+
+
+@contextlib.contextmanager
+def interrupts_held_while_starting() -> Iterator[list[float]]:
+    """Hold a SIGINT that comes while vLLM starts its engine; the list yielded says whether one came.
+
+    vLLM's start-up waits in ZeroMQ polls, and pyzmq drops a KeyboardInterrupt
+    raised there by the signal's handler (it retries the poll): a Ctrl-C
+    during `load` was lost, or left the caller and the engine each waiting for
+    the other. So the handler only notes it here, vLLM finishes starting, and
+    the caller (`_load`) shuts the engine down and raises KeyboardInterrupt.
+    Off the main thread (no signal reaches it) nothing changes.
+    """
+    heard: list[float] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield heard
+        return
+
+    def hold(signum: int, frame: Any) -> None:
+        if not heard:
+            print("vlenvoys: interrupted; the engine is shut down as soon as it has started", file=sys.stderr, flush=True)
+        heard.append(signum)
+
+    previous = signal.signal(signal.SIGINT, hold)
+    try:
+        yield heard
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 #: True while `interrupts_stay_with_the_caller` starts an engine (read in a forked child, see `_own_group`).
