@@ -618,3 +618,14 @@ def test_torchs_own_error_in_a_block_names_its_class_once(subject):
 
     raised = fails_alone(subject, block, RuntimeError, r"^output with shape \[1, 10, 128\] doesn.t match the broadcast")
     assert not str(raised).startswith("RuntimeError")
+
+
+@on_llama
+@pytest.mark.parametrize("value", ["logits", "samples"])
+def test_a_meta_tensor_written_to_logits_or_samples_is_refused_by_name(subject, value):
+    """torch's "Cannot copy out of meta tensor; no data!" (a NotImplementedError) named neither the value nor the
+    device; a meta tensor written to a stream was already refused so."""
+    dtype = torch.float32 if value == "logits" else torch.int64
+    shape = (1, 512) if value == "logits" else (1, 1)
+    fails_alone(subject, lambda model: setattr(model, value, torch.zeros(shape, dtype=dtype, device="meta")),
+                vlenvoys.InvalidWrite, rf"model\.{value}: expected a tensor on cpu, got one on meta")

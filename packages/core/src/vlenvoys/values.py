@@ -355,6 +355,8 @@ def checked_tensor(name: str, value: Any, raw: torch.Tensor) -> torch.Tensor:
         raise InvalidWrite(f"{name}: expected a tensor of shape {list(raw.shape)}, got {type(value).__name__}")
     if value.shape != raw.shape:
         raise InvalidWrite(f"{name}: expected shape {list(raw.shape)}, got {list(value.shape)}")
+    if value.is_meta:  # torch's "Cannot copy out of meta tensor" named neither the value nor the device (#46)
+        raise InvalidWrite(f"{name}: expected a tensor on {raw.device}, got one on meta, which holds no data")
     return value.to(raw.device)
 
 
