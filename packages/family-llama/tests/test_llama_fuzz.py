@@ -629,3 +629,30 @@ def test_a_meta_tensor_written_to_logits_or_samples_is_refused_by_name(subject, 
     shape = (1, 512) if value == "logits" else (1, 1)
     fails_alone(subject, lambda model: setattr(model, value, torch.zeros(shape, dtype=dtype, device="meta")),
                 vlenvoys.InvalidWrite, rf"model\.{value}: expected a tensor on cpu, got one on meta")
+
+
+#: What ``skip`` was handed that a write of the same stream is refused for: NaN, another width, dtype or device.
+BAD_SKIPS = {
+    "NaN": (torch.full((1, 10, 128), float("nan")), "skip: the written value has NaN or infinite entries"),
+    "width": (torch.zeros(1, 10, 129), r"skip: expected shape \[1, 10, 128\]"),
+    "dtype": (torch.zeros(1, 10, 128, dtype=torch.float16), "skip: expected dtype torch.float32, got torch.float16"),
+    "device": (torch.zeros(1, 10, 128, device="meta"), "skip: expected a tensor on cpu, got one on meta"),
+}
+
+
+@on_llama
+@pytest.mark.parametrize("bad", list(BAD_SKIPS))
+def test_a_skip_is_checked_as_a_write(subject, bad):
+    """``skip`` checked only the stream's first two axes: a NaN stream reached the cached keys and values, and
+    every later plain request drew token 0 ([0, 0, 0] for [395, 104, 93]); another width, dtype or device reached
+    the next block as it was. Now refused as a write of the stream is, and the engine serves as before."""
+    hidden, match = BAD_SKIPS[bad]
+    model, reference = subject.model, reference_of(subject)
+    with within(120), pytest.raises(vlenvoys.InvalidWrite, match=match):
+        with model.trace(reference.fuzzed, temperature=0.0):  # alone: a skip beside other requests is refused
+            model.layers[1].skip(hidden)
+    assert_the_engine_serves(model, reference)
+    with model.trace(reference.fuzzed, temperature=0.0):
+        model.layers[1].skip(model.layers[1].layer_input)  # a good skip still runs
+        skipped = model.logits.save()
+    assert skipped.shape == reference.logits.shape and not torch.equal(skipped, reference.logits)
