@@ -656,3 +656,31 @@ def test_a_skip_is_checked_as_a_write(subject, bad):
         model.layers[1].skip(model.layers[1].layer_input)  # a good skip still runs
         skipped = model.logits.save()
     assert skipped.shape == reference.logits.shape and not torch.equal(skipped, reference.logits)
+
+
+#: Finite entries past the square root of float32's range, where a value reaches the model's products.
+HUGE_WRITES = {
+    "attention_keys": lambda model: model.layers[0].self_attn.attention_keys.fill_(3e38),
+    "attention_values": lambda model: model.layers[0].self_attn.attention_values.fill_(3e38),
+    "attention_queries": lambda model: model.layers[0].self_attn.attention_queries.fill_(3e38),
+    "attention_head_outputs": lambda model: model.layers[0].self_attn.attention_head_outputs.fill_(3e38),
+    "attention_premix": lambda model: model.layers[0].self_attn.attention_premix.fill_(3e38),
+    "mlp_neurons": lambda model: setattr(model.layers[0].mlp, "mlp_neurons", torch.full((1, 10, 256), 1e30)),
+    "layer_output": lambda model: model.steer(0, torch.ones(128), 3e38),
+}
+
+
+@on_llama
+@pytest.mark.parametrize("value", list(HUGE_WRITES))
+def test_a_finite_but_huge_write_is_refused_and_later_requests_are_untouched(subject, value):
+    """Keys of 3e38 (finite, so let through) overflowed the query-key products to inf; the NaN after them reached
+    the cached keys and values, and later plain requests drew token 0. Entries past sqrt(float32's largest value),
+    the bound `vlenvoys.Steering` refuses past, are refused now; entries under it still go through."""
+    fails_alone(subject, HUGE_WRITES[value], vlenvoys.InvalidWrite,
+                rf"{value}: the written value has entries up to \S+, beyond 1.84e\+19")
+    model, reference = subject.model, reference_of(subject)
+    with model.trace(reference.fuzzed, temperature=0.0):
+        model.layers[0].self_attn.attention_keys.fill_(1.8e19)  # under the bound: written, and the engine goes on
+        written = model.logits.save()
+    assert torch.isfinite(written).all()
+    assert_the_engine_serves(model, reference)
