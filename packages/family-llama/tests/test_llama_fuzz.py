@@ -34,7 +34,7 @@ from vlenvoys.oracle import VALUES
 from test_llama_safety import plain_generation, within
 
 #: Examples per fuzz test in CI, and what ``VLENVOYS_FUZZ_EXAMPLES`` sets instead.
-EXAMPLES = {"trace": 100, "serve": 60}
+EXAMPLES = {"trace": 200, "serve": 120}
 _ASKED = os.environ.get("VLENVOYS_FUZZ_EXAMPLES")
 _SEED = os.environ.get("VLENVOYS_FUZZ_SEED")
 
@@ -254,8 +254,8 @@ LAYOUTS = {
     "mlp_neurons": lambda t: [1, t, 256],
     "logits": lambda t: [1, 512],
 }
-#: Token ids: int64 (nnsight's ``model.samples``), one a request.
-SAMPLES = ([1], torch.int64)
+#: Token ids as the CPU engine draws them (nnsight's ``model.samples``), one a request.
+SAMPLES = ([1, 1], torch.int32)
 
 
 def torch_says(block: dict, tokens: int) -> set[tuple[str, str]]:
@@ -684,3 +684,4 @@ def test_a_finite_but_huge_write_is_refused_and_later_requests_are_untouched(sub
         written = model.logits.save()
     assert torch.isfinite(written).all()
     assert_the_engine_serves(model, reference)
+
