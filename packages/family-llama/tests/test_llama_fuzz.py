@@ -685,3 +685,17 @@ def test_a_finite_but_huge_write_is_refused_and_later_requests_are_untouched(sub
     assert torch.isfinite(written).all()
     assert_the_engine_serves(model, reference)
 
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_collector_named_by_hand_is_a_400_before_a_stream_begins(server, stream):
+    """``vllm_xargs: {"vlenvoys_collect": ...}`` without ``capture`` passed the middleware and was refused only on the
+    way to the engine: streamed, after the 200 had begun, as an error event inside the stream. Now a 400 up front."""
+    import httpx
+
+    body = {"model": server["model"], "prompt": "The cat", "max_tokens": 1, "stream": stream,
+            "vllm_xargs": {"vlenvoys_collect": "x"}}
+    answer = httpx.post(f"{server['url']}/v1/completions", json=body, timeout=60,
+                        headers={"Authorization": f"Bearer {serve_key()}"})
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == "vllm_xargs" and "vlenvoys_collect keys are set by the server" in error["message"]
