@@ -1,7 +1,6 @@
 """One vLLM engine per model for the session, beside the transformers model with the same weights."""
 
 import pytest
-
 from vlenvoys import conformance
 from vlenvoys.oracle import GRANITE_LAYOUT
 

@@ -25,13 +25,12 @@ import time
 
 import pytest
 import torch
+import vlenvoys
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from nnsight.intervention.interleaver import OutOfOrderError
-
-import vlenvoys
-from vlenvoys.oracle import VALUES
 from test_llama_safety import plain_generation, within
+from vlenvoys.oracle import VALUES
 
 #: Examples per fuzz test in CI, and what ``VLENVOYS_FUZZ_EXAMPLES`` sets instead.
 EXAMPLES = {"trace": 200, "serve": 120}
@@ -442,7 +441,8 @@ numbers_ = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers
                      st.floats(-10, 10, allow_nan=False))
 vectors = st.one_of(
     st.sampled_from(["up", "down", "nope", ""]),
-    st.builds(lambda fill, width: [fill] * width, st.floats(-4, 4, allow_nan=False), st.sampled_from([128, 128, 127, 1, 0])),
+    st.builds(lambda fill, width: [fill] * width, st.floats(-4, 4, allow_nan=False),
+              st.sampled_from([128, 128, 127, 1, 0])),
     st.builds(lambda first, rest: [first] + [0.5] * 127, numbers_, st.just(None)),  # one odd entry
     st.lists(junk, max_size=3),
     junk,
@@ -699,3 +699,4 @@ def test_a_collector_named_by_hand_is_a_400_before_a_stream_begins(server, strea
     assert answer.status_code == 400, answer.text
     error = answer.json()["error"]
     assert error["param"] == "vllm_xargs" and "vlenvoys_collect keys are set by the server" in error["message"]
+

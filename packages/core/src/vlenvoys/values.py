@@ -215,9 +215,9 @@ def unbatched(
         largest = (value.abs() if top_k is None else value.abs().nan_to_num(posinf=0.0)).max()  # -inf masks (top_k)
         if float(largest) > WRITE_LIMIT:
             raise InvalidWrite(
-                f"{name}: the written value has entries up to {float(largest):.3g}, beyond {WRITE_LIMIT:.3g} (the square "
-                "root of float32's largest value): the next product or norm would overflow to inf, and the NaN it "
-                "makes would reach the engine's key/value cache and spoil the logits of later requests"
+                f"{name}: the written value has entries up to {float(largest):.3g}, beyond {WRITE_LIMIT:.3g} (the "
+                "square root of float32's largest value): the next product or norm would overflow to inf, and the "
+                "NaN it makes would reach the engine's key/value cache and spoil the logits of later requests"
             )
     return value.reshape(rows.shape)
 
