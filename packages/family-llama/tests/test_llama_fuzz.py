@@ -303,6 +303,8 @@ def assert_clear(error: BaseException, block: dict, tokens: int) -> None:
     calls = {"skip": {"skip"}, "steer": {"steer", "steering_vector", "layer_output", "Steering"},
              "project": {"project_on_vocab"}}
     names = {op["value"] for op in block["ops"]} | {name for op in block["ops"] for name in calls.get(op["verb"], ())}
+    if "token_embeddings" in names:  # an in-place edit of it is checked as what it is, block 0's layer_input
+        names.add("layer_input")
     layers = {str(op["layer"]) for op in block["ops"]}
     named = any(re.search(rf"\b{re.escape(name)}\b", message) for name in names)
     if isinstance(error, vlenvoys.NoSuchBlock):
@@ -700,3 +702,10 @@ def test_a_collector_named_by_hand_is_a_400_before_a_stream_begins(server, strea
     error = answer.json()["error"]
     assert error["param"] == "vllm_xargs" and "vlenvoys_collect keys are set by the server" in error["message"]
 
+
+@on_llama
+def test_an_assignment_to_token_embeddings_is_refused_by_that_name(subject):
+    """``model.token_embeddings = True`` was refused as "layer_input: expected a tensor ...", a value the block never
+    named; now as token_embeddings (block 0's layer_input)."""
+    fails_alone(subject, lambda model: setattr(model, "token_embeddings", True), vlenvoys.InvalidWrite,
+                r"^token_embeddings \(block 0's layer_input: expected a tensor of shape \[1, 10, 128\], got bool\)")
