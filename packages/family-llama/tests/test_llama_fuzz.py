@@ -214,9 +214,9 @@ def apply(model, ops: list[dict], step: int, saved: list) -> None:
         if verb == "skip":  # the block handed the payload on as its output (the value named is not read)
             model.layers[op["layer"]].skip(make(op["payload"], model.layers[op["layer"]].layer_input))
             continue
-        if verb == "steer":  # the payload's last row as the vector, with a drawn factor
+        if verb == "steer":  # the payload's last 128 entries (or fewer) as the vector, with a drawn factor
             vector = make(op["payload"], torch.zeros(1, 128))
-            model.steer(op["layer"], vector[-1] if isinstance(vector, torch.Tensor) and vector.ndim else vector,
+            model.steer(op["layer"], vector.flatten()[-128:] if isinstance(vector, torch.Tensor) else vector,
                         float(op["step"]) * 1e3 - 1)
             continue
         envoy, name = envoy_of(model, op), op["value"]
