@@ -258,7 +258,10 @@ class StandardizedVLLM(VLLM):
 
     @token_embeddings.setter
     def token_embeddings(self, value: torch.Tensor) -> None:
-        self.layers[0].layer_input = value
+        try:
+            self.layers[0].layer_input = value
+        except InvalidWrite as error:  # named as assigned, not as block 0's layer_input only (found by fuzzing, #46)
+            raise InvalidWrite(f"token_embeddings (block 0's {error})") from None
 
     @property
     def num_layers(self) -> int:

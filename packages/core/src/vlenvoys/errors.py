@@ -94,6 +94,10 @@ def reraise(error: RuntimeError) -> None:
     # A built-in exception raised in the block (ValueError, NameError, ...) comes
     # back as its own type too, so `except ValueError` works around a trace.
     builtin = getattr(builtins, name, None)
+    if builtin is RuntimeError and rest:
+        # torch's own error in a block (an in-place edit that cannot broadcast) came back as
+        # "RuntimeError: RuntimeError: output with shape ...": the class named twice (found by fuzzing, #46).
+        raise RuntimeError(rest) from error
     if isinstance(builtin, type) and issubclass(builtin, Exception) and builtin is not RuntimeError:
         try:
             rebuilt = builtin(rest)  # without the class name, which the traceback prints itself
