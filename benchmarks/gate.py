@@ -15,7 +15,8 @@ rounds' ratios (ours / baseline, in prompts/s or tokens/s), its ``spread`` the
 largest less the smallest of them. The first round warms up and is not counted.
 
 Rows (`ROWS`): collect, collect_heads, trace3, trace_empty and graph_collect
-against plain prefill; graph_steered_all, graph_steered_half and
+against plain prefill, beside engine_plain (the vlenvoys engine's own plain
+prefill, no floor: the ceiling of the eager engine's rows); graph_steered_all, graph_steered_half and
 graph_steered_none against plain generation; datasets_1e6 against plain
 prefill of the same windows; serve_steered and serve_capture against plain
 completions over HTTP.
@@ -71,6 +72,8 @@ class Row:
 
 #: The gate's rows, in the order they run within a round (a group's baseline runs first).
 ROWS: dict[str, Row] = {
+    "engine_plain": Row("prefill", "vl.plain", "plain.prefill",
+                        "the vlenvoys engine's own plain prefill (eager, nothing read): what its rows below can reach"),
     "collect": Row("prefill", "vl.collect", "plain.prefill", "vlenvoys.collect, layer_output at 3 blocks"),
     "collect_heads": Row("prefill", "vl.collect_heads", "plain.prefill", "vlenvoys.collect, attention_queries at 3 blocks"),
     "trace3": Row("prefill", "vl.trace3", "plain.prefill", "a trace reading layer_output at 3 blocks, 64 invokes a trace"),
@@ -388,6 +391,7 @@ def measure(args: argparse.Namespace) -> dict:
         # Each measurement: (group, name, amount, unit, run). A group's baseline comes first in each round.
         runs = [
             ("prefill", "plain.prefill", work.prefill, "prompts/s", lambda: requests(plain, prefill, 1, False)),
+            ("prefill", "vl.plain", work.prefill, "prompts/s", lambda: requests(vl.vllm_entrypoint, prefill, 1, False)),
             ("prefill", "vl.collect", work.prefill, "prompts/s", lambda: collect(vl, prefill, "layer_output", layers)),
             ("prefill", "vl.collect_heads", work.prefill, "prompts/s", lambda: collect(vl, prefill, "attention_queries", layers)),
             ("prefill", "vl.trace3", work.prefill, "prompts/s", lambda: traced(vl, prefill, standard_reads, batch=work.per_trace)),
@@ -459,6 +463,8 @@ def measure(args: argparse.Namespace) -> dict:
         "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "rows": rows,
         "worker": worker,
+        # Every counted run's seconds, in each round's order (a baseline's several a round): for reading a row's noise.
+        "run_seconds": {key: [round(each, 4) for each in values] for key, values in seconds.items()},
     }
 
 
