@@ -189,7 +189,7 @@ def render(result: dict, source: str) -> str:
     baseline = "vLLM's CPU engine" if result.get("smoke") else "plain vLLM in its default configuration (torch.compile, CUDA graphs)"
     lines = [
         f"Gate at `{result['commit']}` on {result['device']} (vLLM {result['vllm']}), from `{source}`: {verdict}. "
-        f"Ratio to {baseline}, median of {result['rounds']} paired rounds; higher is faster.",
+        f"Ratio to {baseline}, median of {result['rounds']} rounds, each row run between two runs of its baseline; higher is faster.",
         "",
         "| row | what | vlenvoys / plain vLLM | ratio | spread | floor |",
         "|---|---|---|---|---|---|",
