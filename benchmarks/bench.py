@@ -582,6 +582,12 @@ def plain_prefill(model, cut: list[list[int]], in_flight: int, detokenize: bool 
                 running.discard(output.request_id)
 
 
+def worker_stats(model) -> dict[str, float]:
+    """A vlenvoys engine's worker figures since it began (`vlenvoys.collector.stats`: its row memory, the time its
+    collections took in hooks, takes and copies off the device)."""
+    return model.vllm_entrypoint.llm_engine.collective_rpc("vlenvoys_collect_stats")[0]
+
+
 def steered_every_step(model, texts, vector, device, edit, tokens=TOKENS, batch=PER_TRACE):
     """``edit(model, vector)`` at every step of each prompt's generation, ``batch`` invokes per trace.
 

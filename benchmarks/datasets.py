@@ -41,7 +41,7 @@ import vlenvoys
 from vlenvoys.activations import collect_dataset, windows
 
 # This file's folder is on the path when it runs as a script.
-from bench import MAX_MODEL_LEN, PeakMemory, checkout, cuda_checkpoint, github_table, plain_prefill, stop
+from bench import MAX_MODEL_LEN, PeakMemory, checkout, cuda_checkpoint, github_table, plain_prefill, stop, worker_stats
 from workloads import prompts
 
 
@@ -51,18 +51,13 @@ def client_cpu() -> float:
     return used.ru_utime + used.ru_stime
 
 
-def worker(model) -> dict:
-    """The engine worker's figures since it began (`vlenvoys.collector.stats`: its row memory, the time collections took)."""
-    return model.vllm_entrypoint.llm_engine.collective_rpc("vlenvoys_collect_stats")[0]
-
-
 def made_since(before: dict, after: dict) -> tuple[float, float]:
-    """MiB of row memory the worker made between two `worker` readings, and the seconds that took."""
+    """MiB of row memory the worker made between two `worker_stats` readings, and the seconds that took."""
     return (after["made_bytes"] - before["made_bytes"]) / 2**20, after["made_seconds"] - before["made_seconds"]
 
 
 def spent_since(before: dict, after: dict) -> dict[str, float]:
-    """Seconds of the worker's hooks, takes and (on a GPU) copies off the device (on their own stream) between two `worker` readings."""
+    """Seconds of the worker's hooks, takes and (on a GPU) copies off the device (on their own stream) between two `worker_stats` readings."""
     return {key: after[key] - before[key] for key in ("hook_seconds", "take_seconds", "copy_seconds")}
 
 
@@ -123,10 +118,10 @@ def main() -> None:
         texts, warm = corpus(model.tokenizer, warm_windows * args.context_length, args.context_length)
         # Warm-up of both sides: the first collection installs its hooks and makes the worker's row memory.
         plain_prefill(model, warm, in_flight)
-        before, start = worker(model), time.perf_counter()
+        before, start = worker_stats(model), time.perf_counter()
         collect_dataset(model, texts, scratch / "warm", "layer_output", [layer], context_length=args.context_length,
                         max_tokens=len(warm) * args.context_length, progress=False)
-        warm_seconds, warm_made = time.perf_counter() - start, made_since(before, worker(model))
+        warm_seconds, warm_made = time.perf_counter() - start, made_since(before, worker_stats(model))
         print(f"warm-up: {len(warm)} windows in {warm_seconds:.2f} s; the worker made {warm_made[0]:,.0f} MiB of row memory "
               f"in {warm_made[1]:.2f} s", flush=True)
         for size in sizes:
@@ -146,14 +141,14 @@ def main() -> None:
                 plain_cpu[-1] -= peak.cpu  # not the memory sampling's
                 plain_peak = max(plain_peak, peak.peak)
                 folder = scratch / "acts"
-                before = worker(model)
+                before = worker_stats(model)
                 with PeakMemory() as peak:
                     start, cpu = time.perf_counter(), client_cpu()
                     collect_dataset(model, documents, folder, "layer_output", [layer], context_length=args.context_length,
                                     max_tokens=tokens, progress=False)
                     ours_seconds.append(time.perf_counter() - start)
                     ours_cpu.append(client_cpu() - cpu)
-                after = worker(model)
+                after = worker_stats(model)
                 mib, seconds = made_since(before, after)
                 made_mib, made_seconds = made_mib + mib, made_seconds + seconds
                 spent.append(spent_since(before, after))

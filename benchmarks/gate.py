@@ -293,11 +293,6 @@ class Servers:
             process.stop()
 
 
-def worker_stats(model) -> dict[str, float]:
-    """A vlenvoys engine's worker figures since it began (`vlenvoys.collector.stats`)."""
-    return model.vllm_entrypoint.llm_engine.collective_rpc("vlenvoys_collect_stats")[0]
-
-
 def measure(args: argparse.Namespace) -> dict:
     """Start the engines, run the rounds, and return the gate's result (unjudged rows)."""
     import torch
@@ -305,7 +300,7 @@ def measure(args: argparse.Namespace) -> dict:
     import vlenvoys
     from vllm import LLM, SamplingParams
 
-    from bench import MAX_MODEL_LEN, cuda_checkpoint, plain_prefill, requests, stop, traced
+    from bench import MAX_MODEL_LEN, cuda_checkpoint, plain_prefill, requests, stop, traced, worker_stats
     from vlenvoys.activations import collect_dataset, windows
     from vlenvoys.collect import collect
     from workloads import prompts
