@@ -198,10 +198,10 @@ class Collector:
     def _copy_off_device(self, host: torch.Tensor, rows: torch.Tensor) -> Any:
         """Queue the copy of ``rows`` into ``host`` (pinned) on the worker's copy stream; the event after it.
 
-        On the forward's own stream the copy held every kernel after it until it was done. On a stream of
-        its own it overlaps the rest of the forward: the rows
-        are first copied on the device (fast), as the next kernels may write over the module's output in
-        place, and the copy stream waits for that; `take` waits for the event.
+        On the forward's own stream the copy held every kernel after it until it was done. On a stream of its
+        own it overlaps the rest of the forward: the rows are first copied on the device (fast), as the next
+        kernels may write over the module's output in place, and the copy stream waits for that; `take` waits
+        for the event.
         """
         staged = rows.clone()
         stream = copy_stream(self.runner)
