@@ -6,7 +6,8 @@ First its engine's start is interrupted (``start load``, ``interrupted load SECO
 ``stopped load`` once no engine process is left). For each kind of work it prints ``start KIND``, runs it until the test's SIGINT to the whole group
 (a terminal's Ctrl-C) raises KeyboardInterrupt here, prints ``interrupted KIND SECONDS`` (from the
 signal to the exception), then collects a few prompts and prints ``alive KIND`` if their values
-equal the same prompts' collected before any interrupt. Then it prints ``engine PIDS`` (vLLM's engine
+equal the same prompts' collected before any interrupt. A kind ``KIND_twice`` is interrupted a
+second time while the first interrupt's requests are aborted (the script signals itself there). Then it prints ``engine PIDS`` (vLLM's engine
 processes) and waits to be killed outright, which must end those processes too.
 """
 
@@ -77,14 +78,30 @@ def main() -> None:
         "generate": lambda: vlenvoys.generate(model, many, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True),
                                               steering=vlenvoys.Steering(1, torch.ones(model.hidden_size)), use_tqdm=False),
     }
+    engine = model.vllm_entrypoint.llm_engine
+    abort = engine.abort_request
+
+    def interrupted_again(*args, **kwargs):  # a second Ctrl-C, sure to come while the first is wound up
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.3)
+        return abort(*args, **kwargs)
+
     for kind in sys.argv[3:] or work:
         SIGNALLED.clear()
         print(f"start {kind}", flush=True)
+        if kind.endswith("_twice"):
+            engine.abort_request = interrupted_again
         try:
-            work[kind]()
+            work[kind.removesuffix("_twice")]()
             print(f"finished {kind}", flush=True)  # the test's signal came too late: it fails on this
         except KeyboardInterrupt:
             print(f"interrupted {kind} {time.perf_counter() - SIGNALLED[0]:.3f}", flush=True)
+        finally:
+            engine.abort_request = abort
+        try:
+            time.sleep(0.5)
+        except KeyboardInterrupt:  # an interrupt that outlived the work it was meant for
+            print(f"late {kind}", flush=True)
         after = collect(model, few, "layer_output", [0, 2])
         same = all(torch.equal(a, b) for key in before for a, b in zip(before[key], after[key], strict=True))
         print(f"{'alive' if same else 'changed'} {kind}", flush=True)

@@ -23,8 +23,10 @@ import pytest
 from vlenvoys.testing import tiny_model
 
 KINDS = ["collect", "trace", "collect_dataset", "generate"]
+#: Interrupted twice: the second Ctrl-C comes while the first one's requests are wound up.
+TWICE = ["collect_twice", "trace_twice"]
 #: What the script is interrupted in: its engine's start, then each kind of work.
-STEPS = ["load", *KINDS]
+STEPS = ["load", *KINDS, *TWICE]
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +35,7 @@ def interrupted(tmp_path_factory) -> dict[str, list[str]]:
     folder = tmp_path_factory.mktemp("interrupts")
     checkpoint = tiny_model("LlamaForCausalLM", folder / "tiny", max_position_embeddings=512)
     script = Path(__file__).with_name("interrupted_engine.py")
-    process = subprocess.Popen([sys.executable, str(script), str(checkpoint), str(folder), *KINDS], stdout=subprocess.PIPE,
+    process = subprocess.Popen([sys.executable, str(script), str(checkpoint), str(folder), *KINDS, *TWICE], stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True,
                                env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
     killer = threading.Timer(600, lambda: os.killpg(process.pid, signal.SIGKILL))
@@ -50,7 +52,7 @@ def interrupted(tmp_path_factory) -> dict[str, list[str]]:
                 lines["orphaned"] = still_running(engine, within=30.0)
                 break
             # The script's own lines; a progress bar may have left no newline before one.
-            for found in re.finditer(rf"\b(start|interrupted|finished|alive|stopped|changed) ({'|'.join(STEPS)})\b( [0-9.]+)?", line):
+            for found in re.finditer(rf"\b(start|interrupted|finished|alive|stopped|changed|late) ({'|'.join(STEPS)})\b( [0-9.]+)?", line):
                 lines[found.group(2)].append(found.group(0))
                 if found.group(1) == "start" and found.group(2) == "load":
                     engine_started(process.pid, within=300.0)  # vLLM's engine process runs: the start is under way
@@ -110,6 +112,16 @@ def test_an_interrupt_of_the_whole_process_group_leaves_the_engine_serving(inter
     assert lines[1].startswith(f"interrupted {kind} "), f"the work was not interrupted: {lines}"
     assert lines[2] == f"alive {kind}", f"after the interrupt the engine gave other values, or none: {lines}"
     print(f"{kind}: the KeyboardInterrupt came {float(lines[1].split()[-1]):.3f} s after the signal")
+
+
+@pytest.mark.parametrize("kind", TWICE)
+def test_a_second_interrupt_while_the_first_is_wound_up_leaves_the_engine_serving(interrupted, kind):
+    """Pressed twice, Ctrl-C's second signal used to stop the winding up of the first half done (its requests left on
+    the engine, a thread still calling it); now it waits for the wind-up and ends in one KeyboardInterrupt."""
+    lines = interrupted[kind]
+    assert lines[0] == f"start {kind}"
+    assert lines[1].startswith(f"interrupted {kind} "), f"the work was not interrupted: {lines}"
+    assert lines[2:] == [f"alive {kind}"], f"after two interrupts the engine gave other values, none, or missed one: {lines}"
 
 
 def test_an_engine_whose_caller_is_killed_outright_shuts_down(interrupted):

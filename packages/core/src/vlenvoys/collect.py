@@ -472,7 +472,19 @@ def _clean_up(model: Any, cleanup: Callable[[], Any], quietly: bool = False) -> 
     the engine gone there is nothing left to clean up. ``quietly`` (while an
     error is on its way up, the one worth seeing) turns an error of
     ``cleanup`` into a warning; otherwise it is raised here.
+
+    A Ctrl-C while it runs is held until it is done, then raised as
+    KeyboardInterrupt: stopping it half way left requests on the engine.
     """
+    from .engine import interrupts_held
+
+    with interrupts_held("vlenvoys: interrupted again; stopping as soon as the engine's requests are wound up") as heard:
+        _clean_up_now(model, cleanup, quietly)
+    if heard:  # the interrupt held while winding up
+        raise KeyboardInterrupt
+
+
+def _clean_up_now(model: Any, cleanup: Callable[[], Any], quietly: bool) -> None:
     resources = getattr(model.vllm_entrypoint.llm_engine.engine_core, "resources", None)
     done, errors = threading.Event(), []
 

@@ -730,14 +730,28 @@ def interrupts_held_while_starting() -> Iterator[list[float]]:
     the caller (`_load`) shuts the engine down and raises KeyboardInterrupt.
     Off the main thread (no signal reaches it) nothing changes.
     """
-    heard: list[float] = []
+    with interrupts_held("vlenvoys: interrupted; the engine is shut down as soon as it has started") as heard:
+        yield heard
+
+
+@contextlib.contextmanager
+def interrupts_held(message: str) -> Iterator[list[int]]:
+    """Note a SIGINT that comes inside the block instead of raising KeyboardInterrupt; the list yielded holds them.
+
+    For work that must not stop half done: an engine's start, and the calls
+    that wind up an interrupted request (a second Ctrl-C there left requests
+    on the engine, and a thread still calling it beside the caller's next
+    call). ``message`` goes to stderr at the first one. On a thread other than
+    the main one (no signal reaches it) nothing changes.
+    """
+    heard: list[int] = []
     if threading.current_thread() is not threading.main_thread():
         yield heard
         return
 
     def hold(signum: int, frame: Any) -> None:
         if not heard:
-            print("vlenvoys: interrupted; the engine is shut down as soon as it has started", file=sys.stderr, flush=True)
+            print(message, file=sys.stderr, flush=True)
         heard.append(signum)
 
     previous = signal.signal(signal.SIGINT, hold)
