@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -98,6 +99,8 @@ def main() -> None:
             print(f"interrupted {kind} {time.perf_counter() - SIGNALLED[0]:.3f}", flush=True)
         finally:
             engine.abort_request = abort
+        if any(thread.name == "vlenvoys-collect-cleanup" for thread in threading.enumerate()):
+            print(f"busy {kind}", flush=True)  # the caller goes on while its interrupted work still calls the engine
         try:
             time.sleep(0.5)
         except KeyboardInterrupt:  # an interrupt that outlived the work it was meant for

@@ -499,10 +499,13 @@ def _clean_up_now(model: Any, cleanup: Callable[[], Any], quietly: bool) -> None
     if resources is None:  # an in-process engine: it cannot exit under us
         run()
     else:
-        threading.Thread(target=run, name="vlenvoys-collect-cleanup", daemon=True).start()
+        thread = threading.Thread(target=run, name="vlenvoys-collect-cleanup", daemon=True)
+        thread.start()
     while not done.wait(0.1):
         if resources.engine_dead:
             return
+    if resources is not None:
+        thread.join()  # done: nothing calls the engine once the caller goes on
     if resources is not None and resources.engine_dead:
         return  # it failed because the engine is gone
     if errors and quietly:
