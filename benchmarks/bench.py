@@ -544,7 +544,7 @@ CUDA_ROWS = [
 
 def cuda_checkpoint(size: str) -> Path:
     """The suite's random Llama in bfloat16, built once into $VLENVOYS_CACHE (or ~/.cache/vlenvoys)."""
-    from vlenvoys.testing import tiny_model
+    from vlenvoys_testing import tiny_model
 
     root = Path(os.environ.get("VLENVOYS_CACHE") or Path.home() / ".cache" / "vlenvoys").expanduser()
     # tiny_model's 256 positions are fewer than a 120-word prompt and its 64 generated tokens may need.
@@ -788,7 +788,7 @@ def cuda_header(path: Path, config: dict, layers, steer_layer: int, counts: tupl
         f"Machine: {device}, {os.cpu_count()} cores, {memory:.0f} GiB; torch {torch.__version__}, "
         f"vLLM {vllm.__version__}, nnsight {nnsight.__version__}; vlenvoys-core {vlenvoys.__version__} at {checkout()}",
         "",
-        "Model: random-weight LlamaForCausalLM (vlenvoys.testing.tiny_model, seed 0): "
+        "Model: random-weight LlamaForCausalLM (vlenvoys_testing.tiny_model, seed 0): "
         f"hidden {config['hidden_size']}, {config['num_hidden_layers']} layers, "
         f"{config['num_attention_heads']} query / {config['num_key_value_heads']} kv heads "
         f"of {config.get('head_dim') or config['hidden_size'] // config['num_attention_heads']}, "

@@ -96,7 +96,7 @@ def main() -> None:
                               gpu_memory_utilization=0.5)
         described = "random Llama, 1B shape, bfloat16"
     elif args.tiny:
-        from vlenvoys.testing import tiny_model
+        from vlenvoys_testing import tiny_model
 
         root = Path(os.environ.get("VLENVOYS_CACHE") or Path.home() / ".cache" / "vlenvoys").expanduser()
         path = tiny_model("LlamaForCausalLM", root / "bench-llama-512", hidden_size=512, intermediate_size=1024)

@@ -266,7 +266,7 @@ class Servers:
         from safetensors.torch import save_file
         from transformers import AutoConfig
 
-        from vlenvoys.testing import ServerProcess
+        from vlenvoys_testing import ServerProcess
 
         hidden = AutoConfig.from_pretrained(path).hidden_size
         vectors = folder / "vectors.safetensors"
@@ -321,7 +321,7 @@ def measure(args: argparse.Namespace) -> dict:
     if cuda:
         path = str(cuda_checkpoint("1b"))
     else:  # six blocks: serve.py's requests steer and capture blocks 2 and 5
-        from vlenvoys.testing import tiny_model
+        from vlenvoys_testing import tiny_model
 
         cache = Path(os.environ.get("VLENVOYS_CACHE") or Path.home() / ".cache" / "vlenvoys").expanduser()
         path = str(tiny_model("LlamaForCausalLM", cache / "gate-smoke-llama", num_hidden_layers=6,

@@ -91,7 +91,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "results-serve-cpu.md")
     options = parser.parse_args()
     from vlenvoys.serving import anyio_classes_first
-    from vlenvoys.testing import http_server
+    from vlenvoys_testing import http_server
 
     anyio_classes_first()  # the openai client's anyio, under nnsight's .save mount (imported with vlenvoys)
     cuda = torch.cuda.is_available()

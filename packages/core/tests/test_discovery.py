@@ -6,7 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 import vlenvoys
-from vlenvoys import testing
+import vlenvoys_testing as testing
 from vlenvoys.cli import app
 from vlenvoys.engine import resolve_checkpoint
 from vlenvoys.family import resolve

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import vlenvoys
-from vlenvoys import Mlp, oracle
+from vlenvoys import Mlp
+from vlenvoys_testing import oracle
 from vlenvoys.support import _rows
 
 

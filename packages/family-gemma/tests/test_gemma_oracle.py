@@ -7,9 +7,9 @@ import torch
 
 import vlenvoys
 import vlenvoys_gemma
-from vlenvoys import testing
-from vlenvoys.conformance import *  # noqa: F403  (the suite's tests, collected here)
-from vlenvoys.conformance import close
+import vlenvoys_testing as testing
+from vlenvoys_testing.conformance import *  # noqa: F403  (the suite's tests, collected here)
+from vlenvoys_testing.conformance import close
 from vlenvoys.lens import logit_lens
 
 

@@ -11,7 +11,7 @@ from vllm.inputs import TokensPrompt
 
 import vlenvoys
 from vlenvoys.collect import PRIVATE, SAVED, collect, registered
-from vlenvoys.conformance import close, host, same_rows
+from vlenvoys_testing.conformance import close, host, same_rows
 
 on_tiny_llama = pytest.mark.parametrize("subject", ["LlamaForCausalLM"], indirect=True)
 on_both = pytest.mark.parametrize("subject", ["LlamaForCausalLM", "SmolLM2"], indirect=True)
@@ -87,7 +87,7 @@ def test_values_equal_transformers_and_the_trace(subject):
 @on_tiny_llama
 def test_prompts_as_text_and_a_small_batch(subject):
     """Text prompts, fewer in flight than there are prompts, and negative layer indices."""
-    from vlenvoys import testing
+    import vlenvoys_testing as testing
 
     model = subject.model
     got = collect(model, list(testing.PROMPTS), "layer_output", [-1], batch_size=2)

@@ -11,11 +11,13 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from vlenvoys import oracle, testing
+import vlenvoys_testing as testing
+
+from vlenvoys_testing import oracle
 from vlenvoys.activations import Activations, collect_dataset, documents, windows
 from vlenvoys.cli import app
 from vlenvoys.collect import collect
-from vlenvoys.conformance import close, same_rows
+from vlenvoys_testing.conformance import close, same_rows
 
 on_tiny_llama = pytest.mark.parametrize("subject", ["LlamaForCausalLM"], indirect=True)
 

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import vlenvoys
-from vlenvoys import oracle, testing
-from vlenvoys.conformance import close, same_rows, steered_in_a_trace
+import vlenvoys_testing as testing
+from vlenvoys_testing import oracle
+from vlenvoys_testing.conformance import close, same_rows, steered_in_a_trace
 from vlenvoys.steering import KEY, REFUSED
 
 on_llama = pytest.mark.parametrize("subject", ["LlamaForCausalLM"], indirect=True)

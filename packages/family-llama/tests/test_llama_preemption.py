@@ -23,11 +23,12 @@ import torch
 from vllm import SamplingParams
 
 import vlenvoys
-from vlenvoys import oracle, testing
+import vlenvoys_testing as testing
+from vlenvoys_testing import oracle
 from vlenvoys.activations import Activations, collect_dataset
 from vlenvoys.capturing import decode
 from vlenvoys.collect import collect
-from vlenvoys.conformance import host
+from vlenvoys_testing.conformance import host
 
 #: The cache's tokens, in blocks of `BLOCK`: more than one request of `MAX_LEN` needs, less than three.
 BLOCK, CACHE_TOKENS, MAX_LEN = 32, 384, 256

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 import vlenvoys
-from vlenvoys import oracle, testing
-from vlenvoys.conformance import difference_of, record, same_rows
+import vlenvoys_testing as testing
+from vlenvoys_testing import oracle
+from vlenvoys_testing.conformance import difference_of, record, same_rows
 
 SAFETY_MODELS = ["LlamaForCausalLM", "SmolLM2"]
 on_safety_models = pytest.mark.parametrize("subject", SAFETY_MODELS, indirect=True)

@@ -17,8 +17,8 @@ import json
 import pytest
 import torch
 import vlenvoys
-from vlenvoys import testing
-from vlenvoys.conformance import TOLERANCE, greedy_steps, record, same_steps
+import vlenvoys_testing as testing
+from vlenvoys_testing.conformance import TOLERANCE, greedy_steps, record, same_steps
 from vlenvoys.engine import _TRITON_F32
 from vlenvoys.serving import anyio_classes_first
 
@@ -58,7 +58,7 @@ def started_server(tmp_path_factory):
         "--vectors", str(folder / "vectors.safetensors"), "--chat-template", str(folder / "chat.jinja"),
         "--served-model-name", "tiny", "--enable-scale-out",
         "--capture-ttl", str(HELD_SECONDS), "--capture-held-bytes", str(HELD_BYTES),
-        # On a GPU, beside the session's engine: a share as small as the test engines' (vlenvoys.oracle.engine).
+        # On a GPU, beside the session's engine: a share as small as the test engines' (vlenvoys_testing.oracle.engine).
         *(["--gpu-memory-utilization", "0.08", "--kv-cache-memory-bytes", str(1 << 30)] if torch.cuda.is_available() else []),
     ]
     with testing.server(path, folder / "server.log", *arguments) as started:
@@ -93,7 +93,7 @@ def generated(model, ids, steering=None) -> list[tuple[int, float]]:
 
 
 def same_as_alone(got, want, what: str) -> bool:
-    """A request served beside others against the same request alone (`vlenvoys.conformance.same_steps`)."""
+    """A request served beside others against the same request alone (`vlenvoys_testing.conformance.same_steps`)."""
     return same_steps(got, want, "LlamaForCausalLM (vlenvoys serve)", what)
 
 
@@ -162,7 +162,7 @@ def test_a_steered_completion_equals_vlenvoys_generate(subject, server, client, 
 def steered_by_a_trace(model, ids, prompt_steers, generated_steers):
     """Greedy (token, log-probability) of ``ids`` with ``model.steer(layer, vector, factor)`` for each of
     ``prompt_steers`` at the prefill step and each of ``generated_steers`` at the decode steps."""
-    from vlenvoys.conformance import host
+    from vlenvoys_testing.conformance import host
 
     with model.trace(ids, temperature=0.0, max_tokens=STEPS, ignore_eos=True) as tracer:
         logits = list().save()
@@ -467,7 +467,7 @@ def test_a_soak_of_mixed_concurrent_requests_loses_none(server, prompts):
 def traced_values(model, ids, reads, steer=None, steps=1):
     """A trace's reads of ``ids`` over ``steps`` steps, ``{(value, layer): [1, rows, ...]}`` (the prompt's rows, then
     one row a decode step), with ``model.steer(*steer)`` first at every step."""
-    from vlenvoys.oracle import VALUES
+    from vlenvoys.names import VALUES
 
     order = {name: number for number, (_, name) in enumerate(VALUES)}
     owners = dict((name, owner) for owner, name in VALUES)
@@ -479,14 +479,14 @@ def traced_values(model, ids, reads, steer=None, steps=1):
             for value, layer in sorted(reads, key=lambda read: (read[1], order[read[0]])):
                 block = model.layers[layer]
                 got[value, layer, step] = getattr(block if owners[value] == "layer" else getattr(block, owners[value]), value)
-    from vlenvoys.conformance import host
+    from vlenvoys_testing.conformance import host
 
     return {read: torch.cat([host(got[(*read, step)]) for step in range(steps)], dim=1) for read in reads}
 
 
 def assert_same_values(got, want, what, exact):
     """Bit-identical where both runs have the same kernels (the CPU engine, no steering); else the oracle's bound."""
-    from vlenvoys.conformance import host
+    from vlenvoys_testing.conformance import host
 
     want = host(want).to(got.dtype)
     assert got.shape == want.shape, (what, got.shape, want.shape)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import vlenvoys
-from vlenvoys import testing
+import vlenvoys_testing as testing
 from vlenvoys.engine import resolve_checkpoint
 
 

@@ -231,7 +231,7 @@ def capture_spec(field: Any, num_layers: int) -> list[dict]:
             bad positions or dtype, one value in two entries, more than
             `MAX_ENTRIES` entries.
     """
-    from .oracle import VALUES
+    from .names import VALUES
 
     owners = {name: owner for owner, name in VALUES}
     made, seen = [], set()
@@ -275,7 +275,7 @@ def capture_spec(field: Any, num_layers: int) -> list[dict]:
 
 def _reads(entries: list[dict]) -> tuple[tuple[int, str, str], ...]:
     """The entries' reads in forward order (by block, then as the block computes them), as `vlenvoys.collect` has them."""
-    from .oracle import VALUES
+    from .names import VALUES
 
     order = {name: number for number, (_, name) in enumerate(VALUES)}
     reads = {(layer, entry["owner"], entry["value"]) for entry in entries for layer in entry["layers"]}

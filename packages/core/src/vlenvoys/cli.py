@@ -196,7 +196,7 @@ def collect(
     leave the engine, and a manifest (vlenvoys.activations.Activations reads
     it). Interrupted, the same command continues after the last complete shard.
     """
-    from vlenvoys.oracle import VALUES
+    from vlenvoys.names import VALUES
 
     owners = dict((name, owner) for owner, name in VALUES)
     values = [name.strip() for name in value.split(",") if name.strip()]
@@ -227,7 +227,7 @@ def collect(
 def check_served(model: str, values: list[str]) -> None:
     """Refuse a value the model cannot serve, before any engine starts."""
     import vlenvoys
-    from vlenvoys.oracle import VALUES
+    from vlenvoys.names import VALUES
 
     kinds = {"layer": "layer", "self_attn": "attention", "mlp": "mlp"}
     owners = dict((name, owner) for owner, name in VALUES)

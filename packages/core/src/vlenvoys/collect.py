@@ -74,7 +74,7 @@ def collect(
         model: A model from `vlenvoys.load` on the synchronous engine.
         prompts: Strings, or lists of token ids, one per request.
         values: A block value name (``"layer_output"``, ``"attention_output"``,
-            ``"mlp_neurons"``, ...; see `vlenvoys.oracle.VALUES`) or several.
+            ``"mlp_neurons"``, ...; see `vlenvoys.names.VALUES`) or several.
         layers: A block index or several; negative indices count from the end.
         batch_size: How many requests are in flight at once (default: as
             many as the engine schedules in one step, its ``max_num_seqs``);
@@ -556,7 +556,7 @@ def _reads(model: Any, values: list[str], layers: int | Sequence[int]) -> list[R
     """The block's reads in forward order (by block, then as the block computes them), checked."""
     from .envoys import block_index
     from .errors import Unavailable
-    from .oracle import VALUES
+    from .names import VALUES
     from .support import support
 
     owners = {name: owner for owner, name in VALUES}

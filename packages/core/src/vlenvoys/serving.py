@@ -218,7 +218,7 @@ def steering_spec(field: Any, hidden_size: int, num_layers: int, dtype: torch.dt
     for where, entry in field_entries(field, "steering", ENTRY_KEYS, MAX_ENTRIES, SteeringError):
         value = entry.get("value", "layer_output")
         if value not in STEERABLE:
-            from .oracle import VALUES
+            from .names import VALUES
 
             known = {name for _, name in VALUES}
             if value in known:

@@ -1,6 +1,6 @@
 """The oracle suite every family package runs against transformers.
 
-A family's tests import this module's tests (``from vlenvoys.conformance
+A family's tests import this module's tests (``from vlenvoys_testing.conformance
 import *``) and define a session-scoped ``subject`` fixture with
 `subject_fixture`: one vLLM engine per model, beside the transformers model
 with the same weights. The suite compares every value of every layer on
@@ -15,11 +15,14 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-
 import vlenvoys
-from vlenvoys import oracle, testing, weights
+from vlenvoys import weights
 from vlenvoys.engine import architectures_of
-from vlenvoys.oracle import VALUES, HFLayout, edited_logits
+from vlenvoys.names import VALUES
+
+from . import oracle
+from .models import PROMPTS, tiny_model
+from .oracle import HFLayout, edited_logits
 
 #: The oracle's bound in float32, on the CPU engine and on a GPU alike: |vLLM -
 #: transformers| <= 1e-4, relative to each token's own stream magnitude where that
@@ -163,7 +166,7 @@ class Subject:
         return self.model.architecture.mlp.KIND
 
     def edited(self, prompt: list[int], edits=(), key_edits=None, router_edits=None, route_edits=None) -> torch.Tensor:
-        """transformers' last-token logits with ``edits`` (see `vlenvoys.oracle.edited_logits`)."""
+        """transformers' last-token logits with ``edits`` (see `vlenvoys_testing.oracle.edited_logits`)."""
         return edited_logits(self.reference, prompt, edits, self.layout, key_edits, router_edits, route_edits)
 
     def multiplier(self, value: str) -> float:
@@ -178,7 +181,7 @@ class Subject:
         return self.layout.blocks(self.reference)[index]
 
 
-#: Prompts for the real model (the tiny models use `vlenvoys.testing.PROMPTS`).
+#: Prompts for the real model (the tiny models use `vlenvoys_testing.PROMPTS`).
 REAL_PROMPTS = (
     "The Eiffel Tower is located in the city of",
     "def fibonacci(n):",
@@ -191,7 +194,7 @@ def subject_fixture(models: dict[str, tuple], layout: HFLayout = oracle.LLAMA_LA
     """A session-scoped, parametrized ``subject`` fixture over ``models``.
 
     ``models`` maps a test name to ``(architecture, config overrides)`` for
-    `vlenvoys.testing.tiny_model`, or to ``(None, {})`` for the built-in
+    `vlenvoys_testing.tiny_model`, or to ``(None, {})`` for the built-in
     SmolLM2, optionally followed by the model's own `HFLayout` and a dict of
     vLLM engine arguments (``{"tensor_parallel_size": 2}``: the values are
     then also read on one rank first, for `test_tensor_parallel_matches_one_rank`;
@@ -221,8 +224,8 @@ def subject_fixture(models: dict[str, tuple], layout: HFLayout = oracle.LLAMA_LA
         if architecture is None:
             path, texts = weights.smollm2_path(), REAL_PROMPTS
         else:
-            path = testing.tiny_model(architecture, tmp_path_factory.mktemp(name), **overrides)
-            texts = testing.PROMPTS
+            path = tiny_model(architecture, tmp_path_factory.mktemp(name), **overrides)
+            texts = PROMPTS
         ranks = engine_kwargs.get("tensor_parallel_size", 1)
         gpus = gpu_count()
         if ranks > 1 and gpus is not None and gpus < ranks:

@@ -14,32 +14,11 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from vlenvoys import load, shutdown
+from vlenvoys.names import VALUES
 
-__all__ = ["HFLayout", "LLAMA_LAYOUT", "STREAM_VALUES", "VALUES", "edited_logits", "load_reference", "reference"]
+__all__ = ["HFLayout", "LLAMA_LAYOUT", "STREAM_VALUES", "edited_logits", "load_reference", "reference"]
 
-#: The values of a block, as (owner, name), in the order the forward reaches them
-#: (nnsight needs that order within one invoke).
-VALUES = (
-    ("layer", "layer_input"),
-    ("layer", "attention_norm_output"),
-    ("self_attn", "attention_queries"),
-    ("self_attn", "attention_keys"),
-    ("self_attn", "attention_values"),
-    ("self_attn", "attention_scores"),
-    ("self_attn", "attention_probabilities"),
-    ("self_attn", "attention_head_outputs"),
-    ("self_attn", "attention_premix"),
-    ("self_attn", "attention_output"),
-    ("layer", "layer_mid"),
-    ("layer", "mlp_norm_output"),
-    ("mlp", "mlp_router_logits"),
-    ("mlp", "mlp_router_experts"),
-    ("mlp", "mlp_router_weights"),
-    ("mlp", "mlp_activation"),
-    ("mlp", "mlp_neurons"),
-    ("mlp", "mlp_output"),
-    ("layer", "layer_output"),
-)
 #: The residual-stream values alone.
 STREAM_VALUES = tuple(v for v in VALUES if v[1] in {
     "layer_input", "attention_norm_output", "attention_output", "layer_mid", "mlp_norm_output", "mlp_output",
@@ -483,8 +462,6 @@ def engine(model: str, **engine_kwargs) -> Iterator:
     Start one per model per session and share it: an engine takes 20-30 s to
     start on the CPU.
     """
-    from . import load, shutdown
-
     # Short test prompts: a small context and KV cache keep the engine small and quick to start
     # (on a GPU, vLLM would otherwise give the cache most of the device's memory).
     engine_kwargs.setdefault("max_model_len", 256)

@@ -19,24 +19,17 @@ and next-token distributions are not flat.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import os
 import pathlib
 import shutil
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
-import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["PROMPTS", "ServerProcess", "architectures", "http_server", "server", "tiny_model"]
+__all__ = ["PROMPTS", "architectures", "tiny_model"]
 
 # Bump when the defaults or the tokenizer change, to invalidate cached builds.
 _BUILDER_VERSION = 1
@@ -297,7 +290,7 @@ def _build(
         )
 
     try:
-        from .oracle import built
+        from .oracle import built  # here, not at the top: compat/nnterp_side.py loads this file alone
     except ImportError:  # loaded as a lone file (compat/nnterp_side.py), where no vLLM ran
         def built(make: Any) -> Any:
             return make()
@@ -360,80 +353,3 @@ def _tokenizer(max_length: int) -> Any:
         add_bos_token=True,
         model_max_length=max_length,
     )
-
-
-@contextlib.contextmanager
-def server(model: str | os.PathLike, log: str | os.PathLike, *arguments: str, started_within: float = 300) -> Iterator[dict]:
-    """``vlenvoys serve MODEL ARGUMENTS`` on a free loopback port, for the ``with`` body (see `http_server`)."""
-    command = [sys.executable, "-c", "from vlenvoys.cli import app; app()", "serve", str(model), *arguments]
-    with http_server(command, log, started_within) as started:
-        yield started
-
-
-@contextlib.contextmanager
-def http_server(command: list[str], log: str | os.PathLike, started_within: float = 300) -> Iterator[dict]:
-    """``command --host 127.0.0.1 --port PORT`` (a free port) in a process group of its own, for the ``with`` body.
-
-    Yields ``{"url": "http://127.0.0.1:PORT", "pid": ..., "log": Path}``
-    once ``/health`` answers; the server's output goes to ``log``. On exit
-    the group (server and engine processes) gets SIGINT, then SIGKILL after 60 s.
-
-    Raises:
-        RuntimeError: the server exited, or did not answer within ``started_within`` seconds
-            (with the end of its log).
-    """
-    process = ServerProcess(command, log)
-    try:
-        process.wait_ready(started_within)
-        yield {"url": process.url, "pid": process.process.pid, "log": process.log}
-    finally:
-        process.stop()
-
-
-class ServerProcess:
-    """``command --host 127.0.0.1 --port PORT`` started now, in a process group of its own, output to ``log``.
-
-    For several servers starting side by side (the speed gate's): start each,
-    then `wait_ready` for each; `stop` ends the group (SIGINT, SIGKILL after 60 s).
-    """
-
-    def __init__(self, command: list[str], log: str | os.PathLike) -> None:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        self.command, self.log, self.url = command, pathlib.Path(log), f"http://127.0.0.1:{port}"
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-        with open(self.log, "w") as output:
-            self.process = subprocess.Popen([*command, "--host", "127.0.0.1", "--port", str(port)], stdout=output,
-                                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-    def wait_ready(self, started_within: float = 300) -> str:
-        """Wait until ``/health`` answers; returns the server's URL.
-
-        Raises:
-            RuntimeError: the server exited, or did not answer within ``started_within`` seconds (with the end of its log).
-        """
-        import httpx
-
-        deadline = time.monotonic() + started_within
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.command[:5]} exited ({self.process.returncode}):\n{self.log.read_text()[-4000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return self.url
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.command[:5]} did not start within {started_within} s:\n{self.log.read_text()[-4000:]}")
-            time.sleep(1)
-
-    def stop(self) -> None:
-        """SIGINT to the server's process group, SIGKILL if it has not exited 60 s later."""
-        try:  # the group also holds the engine's processes, which may outlive a server that exited
-            os.killpg(self.process.pid, signal.SIGINT)
-        except ProcessLookupError:
-            return
-        try:
-            self.process.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(10)
