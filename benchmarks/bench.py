@@ -85,7 +85,7 @@ class PeakMemory:
 
     Each process's proportional set size where Linux gives it (``/proc/PID/smaps_rollup``): a page
     shared by several processes counts once in their sum. The engine's rows reach this process
-    through shared memory (`vlenvoys.handover`), and a sum of resident sizes counted those pages twice.
+    through shared memory (`vlenvoys.wire.shm`), and a sum of resident sizes counted those pages twice.
     Elsewhere the resident size.
     """
 
@@ -515,7 +515,7 @@ CUDA_ROWS = [
     ("14. plain vLLM eager vs CUDA graphs, generation", "eager.generate", "graphs.generate"),
     ("15. nnsight taps, plain prefill vs CUDA graphs", "taps.prefill", "graphs.prefill"),
     ("16. nnsight taps, plain generation vs CUDA graphs", "taps.generate", "graphs.generate"),
-    # vlenvoys.generate: each request's steering added by one hook per block per step (vlenvoys.steering).
+    # vlenvoys.generate: each request's steering added by one hook per block per step (vlenvoys.worker.steerer).
     ("17. vlenvoys.generate steered vs plain vLLM, CUDA graphs", "vl.generate_steered", "graphs.generate"),
     ("18. vlenvoys.generate steered vs plain vLLM, eager", "vl.generate_steered", "eager.generate"),
     ("19. vlenvoys.generate steered vs steering in a trace", "vl.generate_steered", "vl.steer"),
@@ -583,7 +583,7 @@ def plain_prefill(model, cut: list[list[int]], in_flight: int, detokenize: bool 
 
 
 def worker_stats(model) -> dict[str, float]:
-    """A vlenvoys engine's worker figures since it began (`vlenvoys.collector.stats`: its row memory, the time its
+    """A vlenvoys engine's worker figures since it began (`vlenvoys.worker.collector.stats`: its row memory, the time its
     collections took in hooks, takes and copies off the device)."""
     return model.vllm_entrypoint.llm_engine.collective_rpc("vlenvoys_collect_stats")[0]
 

@@ -430,7 +430,7 @@ def measure(args: argparse.Namespace) -> dict:
                   + ("" if not number else ": " + ", ".join(f"{name} {row['ratio']:.3f}" for name, row in line.items())),
                   flush=True)
         rows = summarize(seconds, beside, amounts, units, names)
-        # Where the worker's time in collections went over the counted and warm-up rounds (`vlenvoys.collector.Spent`).
+        # Where the worker's time in collections went over the counted and warm-up rounds (`vlenvoys.worker.collector.Spent`).
         worker = {name: {key: worker_stats(engines[name])[key] - before[key] for key in before}
                   for name, before in worker_before.items()}
     finally:

@@ -1,4 +1,4 @@
-"""`vlenvoys.serving`'s reading of a request's steering field, without a server or an engine."""
+"""`vlenvoys.serve.steering`'s reading of a request's steering field, without a server or an engine."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import json
 import pytest
 import torch
 from vlenvoys import Steering
-from vlenvoys.serving import SteeringError, Vectors, rewritten, steering_spec
-from vlenvoys.steering import KEY
+from vlenvoys.serve.fields import SteeringError
+from vlenvoys.serve.steering import Vectors, rewritten, steering_spec
+from vlenvoys.wire.requests import STEER_KEY as KEY
 
 HIDDEN, LAYERS = 8, 4
 
@@ -98,7 +99,7 @@ def test_a_vectors_file_is_checked_when_loaded(tmp_path):
 
 def test_beam_search_is_refused_and_a_huge_vector_is_not_registered():
     """vLLM's beam search runs requests of its own (they would go unsteered); a vector whose norm overflows is kept out."""
-    from vlenvoys.serving import Vectors, rewritten
+    from vlenvoys.serve.steering import Vectors, rewritten
 
     with pytest.raises(SteeringError, match="beam search is not steered"):
         rewritten({"prompt": "x", "use_beam_search": True, "steering": [{"layer": 0, "vector": [0.5] * HIDDEN}]},
@@ -110,7 +111,7 @@ def test_beam_search_is_refused_and_a_huge_vector_is_not_registered():
 
 
 def test_a_capture_field_is_checked_and_its_layers_counted_from_the_end():
-    from vlenvoys.capturing import _reads, capture_spec
+    from vlenvoys.serve.capture import _reads, capture_spec
 
     made = capture_spec([{"value": "layer_output", "layers": [-1, 0]}, {"value": "attention_queries", "layers": "all",
                                                                          "positions": [0, -1], "dtype": "bfloat16"}], 3)
@@ -132,7 +133,7 @@ def test_a_capture_field_is_checked_and_its_layers_counted_from_the_end():
     ([{"value": "layer_output", "layers": 1}] * 17, "at most 16"),
 ])
 def test_a_capture_field_the_model_cannot_take_says_why(field, reason):
-    from vlenvoys.capturing import CaptureError, capture_spec
+    from vlenvoys.serve.capture import CaptureError, capture_spec
 
     with pytest.raises(CaptureError, match=reason) as error:
         capture_spec(field, 3)
@@ -142,7 +143,8 @@ def test_a_capture_field_the_model_cannot_take_says_why(field, reason):
 def test_decode_checks_the_size_and_reads_every_dtype():
     import base64
 
-    from vlenvoys.capturing import DTYPES, decode
+    from vlenvoys.serve.capture import DTYPES
+    from vlenvoys.serve.client import decode
 
     values = torch.randn(2, 3, 4)
     for name, dtype in DTYPES.items():
@@ -164,7 +166,7 @@ def test_an_async_http_client_works_after_import_vlenvoys():
 
 
 def test_a_capture_too_large_to_hold_names_sizes_under_a_mib_in_bytes():
-    from vlenvoys.capturing import CaptureError, Held
+    from vlenvoys.serve.capture import CaptureError, Held
 
     with pytest.raises(CaptureError, match=r"capture: 4,000 bytes of values, beyond the 1,000 bytes this server holds"):
         Held(most=1000).put({"layer_output": torch.zeros(1000)})
@@ -174,7 +176,7 @@ def test_a_capture_too_large_to_hold_names_sizes_under_a_mib_in_bytes():
 
 def test_a_held_capture_is_taken_once_and_serialized_as_safetensors():
     from safetensors.torch import load
-    from vlenvoys.capturing import CaptureGone, Held, as_file
+    from vlenvoys.serve.capture import CaptureGone, Held, as_file
 
     held = Held()
     name = held.put({"layer_output": torch.arange(6.0).view(2, 3)})

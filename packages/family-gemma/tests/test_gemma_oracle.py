@@ -10,7 +10,7 @@ import vlenvoys_gemma
 import vlenvoys_testing as testing
 from vlenvoys_testing.conformance import *  # noqa: F403  (the suite's tests, collected here)
 from vlenvoys_testing.conformance import close
-from vlenvoys.lens import logit_lens
+from vlenvoys.cli.lens import logit_lens
 
 
 def architecture(subject) -> str:

@@ -1,7 +1,7 @@
 """An engine that replays CUDA graphs (``vlenvoys.load(..., cuda_graphs=True)``): steering and collection on it.
 
 Its decode steps replay graphs captured with the steering hooks of every
-block in them (`vlenvoys.steering.Steerer`); each step's plan reaches the
+block in them (`vlenvoys.worker.steerer.Steerer`); each step's plan reaches the
 replay through buffers at fixed addresses. On the CPU engine, which has no
 graphs, these tests run the same hooks eagerly; on a GPU they check the
 replays (GPU_RESULTS.md).
@@ -16,7 +16,8 @@ import vlenvoys
 import vlenvoys_testing as testing
 from vlenvoys_testing import oracle
 from vlenvoys_testing.conformance import close, same_rows, steered_in_a_trace
-from vlenvoys.steering import KEY, REFUSED
+from vlenvoys.wire.requests import STEER_KEY as KEY
+from vlenvoys.worker.steerer import REFUSED
 
 on_llama = pytest.mark.parametrize("subject", ["LlamaForCausalLM"], indirect=True)
 STEPS = 6

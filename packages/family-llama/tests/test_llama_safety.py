@@ -508,7 +508,7 @@ def test_a_steering_the_engine_cannot_read_is_refused_and_the_engine_goes_on(cac
     """A hand-made ``extra_args`` steering (a block the model lacks) is refused by name, not raised in the worker."""
     from vllm import SamplingParams
 
-    from vlenvoys.steering import KEY
+    from vlenvoys.wire.requests import STEER_KEY as KEY
 
     model = caching_engine
     spec = {"layers": [7], "vector": [1.0] * model.hidden_size, "positions": None}

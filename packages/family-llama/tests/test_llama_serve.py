@@ -19,8 +19,8 @@ import torch
 import vlenvoys
 import vlenvoys_testing as testing
 from vlenvoys_testing.conformance import TOLERANCE, greedy_steps, record, same_steps
-from vlenvoys.engine import _TRITON_F32
-from vlenvoys.serving import anyio_classes_first
+from vlenvoys.engine.loading import TRITON_F32
+from vlenvoys.serve.server import anyio_classes_first
 
 anyio_classes_first()  # the openai client's anyio classes, defined under nnsight's .save mount otherwise
 
@@ -116,7 +116,7 @@ def test_a_plain_completion_is_plain_vllms(server, client, prompts, monkeypatch)
     """No steering: token ids and log-probabilities as vLLM's own engine (no vlenvoys) gives them on the weights.
 
     Bit-identical on the CPU engine; on a GPU within the oracle's bound (`same_as_alone`), with the
-    full-float32 Triton dots vlenvoys gives a float32 engine (`vlenvoys.engine._float32_kernels`; vLLM's
+    full-float32 Triton dots vlenvoys gives a float32 engine (`vlenvoys.engine.loading.float32_kernels`; vLLM's
     default TF32 dots put its log-probabilities 1.2e-3 away, measured on an H200).
     """
     from vllm import LLM, SamplingParams
@@ -124,7 +124,7 @@ def test_a_plain_completion_is_plain_vllms(server, client, prompts, monkeypatch)
 
     from vllm.platforms import current_platform
 
-    monkeypatch.setenv(_TRITON_F32, "ieee")
+    monkeypatch.setenv(TRITON_F32, "ieee")
 
     # On a GPU, a small share as the test engines take (vLLM's default 0.92 fails beside them).
     share = {"gpu_memory_utilization": 0.08} if current_platform.is_cuda_alike() else {}
@@ -334,7 +334,7 @@ def test_steering_set_by_hand_on_another_path_is_refused(subject, server, prompt
     """
     import httpx
 
-    from vlenvoys.serving import VECTORS, steering_spec, salt_of
+    from vlenvoys.serve.steering import VECTORS, salt_of, steering_spec
 
     spec = json.dumps(steering_spec({"layer": 1, "vector": vector_of(1).tolist()}, 128, 3, torch.float32, VECTORS),
                       separators=(",", ":"))
@@ -467,7 +467,7 @@ def test_a_soak_of_mixed_concurrent_requests_loses_none(server, prompts):
 def traced_values(model, ids, reads, steer=None, steps=1):
     """A trace's reads of ``ids`` over ``steps`` steps, ``{(value, layer): [1, rows, ...]}`` (the prompt's rows, then
     one row a decode step), with ``model.steer(*steer)`` first at every step."""
-    from vlenvoys.names import VALUES
+    from vlenvoys.values.names import VALUES
 
     order = {name: number for number, (_, name) in enumerate(VALUES)}
     owners = dict((name, owner) for owner, name in VALUES)

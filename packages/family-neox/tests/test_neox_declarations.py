@@ -7,7 +7,7 @@ import torch
 
 import vlenvoys
 import vlenvoys_testing as testing
-from vlenvoys.engine import resolve_checkpoint
+from vlenvoys.values.family import resolve_checkpoint
 
 
 @pytest.mark.parametrize("parallel", [True, False])

@@ -12,7 +12,7 @@ import torch
 import vlenvoys
 import vlenvoys_testing as testing
 from vlenvoys_testing.conformance import TOLERANCE, greedy_steps, host, record, same_steps
-from vlenvoys.serving import anyio_classes_first
+from vlenvoys.serve.server import anyio_classes_first
 
 anyio_classes_first()  # the openai client's anyio classes, defined under nnsight's .save mount otherwise
 

@@ -17,8 +17,9 @@ import pytest
 import torch
 import vlenvoys
 from vlenvoys import weights
-from vlenvoys.engine import architectures_of
-from vlenvoys.names import VALUES
+from vlenvoys.values.family import architectures_of
+from vlenvoys.values.names import VALUES
+from vlenvoys.values.reads import unsteerable
 
 from . import oracle
 from .models import PROMPTS, tiny_model
@@ -30,7 +31,7 @@ from .oracle import HFLayout, edited_logits
 #: SmolLM2's first-token stream reaches ~22,500 (float32's spacing there is 0.002)
 #: and rounding grows through 30 layers to ~1.6e-5 of a token's magnitude; an
 #: absolute 1e-4 is below float32 there. On a GPU it holds because a float32
-#: engine's Triton dots run in full float32 (`vlenvoys.engine._float32_kernels`):
+#: engine's Triton dots run in full float32 (`vlenvoys.engine.loading.float32_kernels`):
 #: measured on an H200, every family's values are within 3e-6 of transformers'
 #: (relative), as on the CPU; with Triton's default TF32 dots, 5.6e-4.
 TOLERANCE = 1e-4
@@ -669,13 +670,11 @@ def test_steered_generation_equals_steering_in_a_trace(subject):
     """
     from vllm import SamplingParams
 
-    from vlenvoys.steering import eligible
-
     model, prompts, steps, factor = subject.model, subject.prompts[:2], 3, 2.0
     vector = steering_vector(subject)
     steering = [vlenvoys.Steering(1, vector, factor), None]
     params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True, logprobs=1)
-    if eligible(model) is not None:
+    if unsteerable(model) is not None:
         with pytest.raises(NotImplementedError, match="steered generation"):
             vlenvoys.generate(model, prompts, params, steering=steering, use_tqdm=False)
         # Unsteered, the same call generates.
@@ -748,11 +747,9 @@ def test_graph_engine_steers_as_a_trace(subject):
     """
     from vllm import SamplingParams
 
-    from vlenvoys.steering import eligible
-
     if subject.device_type != "cuda":
         pytest.skip("the CPU engine has no CUDA graphs (vlenvoys-llama's test_llama_graphs runs the same hooks eagerly)")
-    if eligible(subject.model) is not None or subject.one_rank is not None:
+    if unsteerable(subject.model) is not None or subject.one_rank is not None:
         pytest.skip("steered generation is not served for this subject (see test_steered_generation_equals_steering_in_a_trace)")
     model, prompts, steps, factor = subject.model, subject.prompts[:2], 4, 2.0
     vector = steering_vector(subject)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 from vlenvoys import load, shutdown
-from vlenvoys.names import VALUES
+from vlenvoys.values.names import VALUES
 
 __all__ = ["HFLayout", "LLAMA_LAYOUT", "STREAM_VALUES", "edited_logits", "load_reference", "reference"]
 
