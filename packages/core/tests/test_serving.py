@@ -16,15 +16,19 @@ HIDDEN, LAYERS = 8, 4
 
 
 def spec(field, vectors=None, dtype=torch.float32):
-    return steering_spec(field, HIDDEN, LAYERS, dtype, vectors or Vectors())
+    """The field's spec as it travels (JSON text), parsed."""
+    return json.loads(steering_spec(field, HIDDEN, LAYERS, dtype, vectors or Vectors()))
 
 
-def test_the_spec_carries_the_bytes_steering_encode_makes():
+def test_a_served_steering_travels_as_the_text_steering_encode_makes():
+    """One wire format: the field and `vlenvoys.Steering` give the same text, so the same cache salt."""
     vector = torch.randn(HIDDEN, generator=torch.Generator().manual_seed(0))
     for dtype in (torch.float32, torch.bfloat16):
-        made = spec([{"layer": -1, "vector": vector.tolist(), "factor": 3.0}], dtype=dtype)
-        want = Steering(3, vector, 3.0).encode_for(HIDDEN, LAYERS, dtype)
-        assert base64.b64decode(made["vector"]) == want["vector"]
+        served = steering_spec([{"layer": -1, "vector": vector.tolist(), "factor": 3.0}], HIDDEN, LAYERS, dtype, Vectors())
+        assert served == Steering(3, vector, 3.0).encode_for(HIDDEN, LAYERS, dtype)
+        made = json.loads(served)
+        scaled = (3.0 * vector.to(dtype)).float()
+        assert base64.b64decode(made["vector"]) == scaled.numpy().tobytes()
         assert made["layers"] == [3] and made["positions"] is None
 
 
@@ -43,8 +47,8 @@ def test_entries_of_several_vectors_are_one_spec_each():
     made = spec([{"layer": 0, "vector": "v"}, {"layer": 1, "vector": "v", "factor": 2.0},
                  {"layer": 2, "vector": "v", "positions": "prompt"}, {"layer": 3, "vector": "v"}], vectors)
     assert [(each["layers"], each["positions"]) for each in made] == [([0, 3], None), ([1], None), ([2], "prompt")]
-    assert base64.b64decode(made[1]["vector"]) == Steering(1, torch.ones(HIDDEN), 2.0).encode_for(
-        HIDDEN, LAYERS, torch.float32)["vector"]
+    assert made[1]["vector"] == json.loads(Steering(1, torch.ones(HIDDEN), 2.0).encode_for(
+        HIDDEN, LAYERS, torch.float32))["vector"]
 
 
 @pytest.mark.parametrize("field, reason", [
@@ -52,7 +56,7 @@ def test_entries_of_several_vectors_are_one_spec_each():
     ([{"value": "attention_output", "layer": 0, "vector": [0.0] * HIDDEN}], "not served yet"),
     ([{"layer": 4, "vector": [0.0] * HIDDEN}], "block 4 does not exist"),
     ([{"layer": True, "vector": [0.0] * HIDDEN}], "expected a block index"),
-    ([{"layer": 0, "vector": [0.0] * (HIDDEN + 1)}], f"expected {HIDDEN} numbers"),
+    ([{"layer": 0, "vector": [0.0] * (HIDDEN + 1)}], f"expected shape [{HIDDEN}]"),
     ([{"layer": 0, "vector": [float("inf")] + [0.0] * (HIDDEN - 1)}], "NaN or infinite"),
     ([{"layer": 0, "vector": ["a"] * HIDDEN}], "expected a list"),
     ([{"layer": 0, "vector": "missing"}], "no vector is registered as 'missing'"),
@@ -62,7 +66,8 @@ def test_entries_of_several_vectors_are_one_spec_each():
     ([], "non-empty list"),
     # Each entry under the per-entry bound, their squares' sum past float32's range.
     ([{"layer": 0, "vector": [1.0] * HIDDEN, "factor": 1e19}], "has a norm beyond"),
-    ([{"layer": 0, "vector": [1.5e19] * HIDDEN}], "norm is beyond float32"),
+    ([{"layer": 0, "vector": [1.5e19] * HIDDEN}], "has a norm beyond"),
+    ([{"layer": 0, "vector": [1.0] * HIDDEN}, {"layer": -4, "vector": [2.0] * HIDDEN}], "steering[1]: block 0 is steered by two"),
 ])
 def test_a_field_the_model_cannot_take_says_why(field, reason):
     with pytest.raises(SteeringError) as raised:

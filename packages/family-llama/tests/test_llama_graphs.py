@@ -17,6 +17,7 @@ import vlenvoys_testing as testing
 from vlenvoys_testing import oracle
 from vlenvoys_testing.conformance import close, same_rows, steered_in_a_trace
 from vlenvoys.wire.requests import STEER_KEY as KEY
+from vlenvoys.wire.steering import Entry, text
 from vlenvoys.worker.steerer import REFUSED
 
 on_llama = pytest.mark.parametrize("subject", ["LlamaForCausalLM"], indirect=True)
@@ -95,7 +96,9 @@ def test_a_stream_the_steering_overflows_is_left_unsteered_and_refused(graph_eng
     params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=1)
     prompt = [1, 5, 9, 13, 17]
     before = logprobs_of(vlenvoys.generate(graph_engine, [prompt], params, use_tqdm=False)[0])
-    spec = {"layers": [0, 1, 2], "vector": [3e38] * graph_engine.hidden_size, "positions": None}
+    # In the wire format, past the check every client makes (`vlenvoys.wire.steering.entry`).
+    huge = torch.full((graph_engine.hidden_size,), 3e38).numpy().tobytes()
+    spec = text([Entry((0, 1, 2), huge, None)])
     overflowing = SamplingParams(max_tokens=STEPS, ignore_eos=True, extra_args={KEY: spec})
     (output,) = graph_engine.vllm_entrypoint.generate([{"prompt_token_ids": prompt}], overflowing, use_tqdm=False)
     answers = graph_engine.vllm_entrypoint.llm_engine.collective_rpc("vlenvoys_steer_failures", args=([output.request_id],))

@@ -509,9 +509,10 @@ def test_a_steering_the_engine_cannot_read_is_refused_and_the_engine_goes_on(cac
     from vllm import SamplingParams
 
     from vlenvoys.wire.requests import STEER_KEY as KEY
+    from vlenvoys.wire.steering import Entry, text
 
     model = caching_engine
-    spec = {"layers": [7], "vector": [1.0] * model.hidden_size, "positions": None}
+    spec = text([Entry((7,), torch.ones(model.hidden_size).numpy().tobytes(), None)])  # past every client's check
     params = SamplingParams(temperature=0.0, max_tokens=2, extra_args={KEY: spec})
     (output,) = model.vllm_entrypoint.generate(["The sun"], params, use_tqdm=False)
     (refused, *_) = model.vllm_entrypoint.llm_engine.collective_rpc("vlenvoys_steer_failures", args=([output.request_id],))

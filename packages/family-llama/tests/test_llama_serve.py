@@ -258,10 +258,10 @@ def prompts(server):
 MALFORMED = [
     ({"steering": [{"value": "layer_oops", "layer": 1, "vector": "up"}]}, "unknown value 'layer_oops'"),
     ({"steering": [{"value": "mlp_output", "layer": 1, "vector": "up"}]}, "'mlp_output' is not served yet"),
-    ({"steering": [{"layer": 1, "vector": [1.0] * 127}]}, "expected 128 numbers"),
+    ({"steering": [{"layer": 1, "vector": [1.0] * 127}]}, "expected shape [128]"),
     ({"steering": [{"layer": 1, "vector": [float("nan")] * 128}]}, "NaN or infinite"),
     ({"steering": [{"layer": 1, "vector": [1e39] + [0.0] * 127}]}, "NaN or infinite"),
-    ({"steering": [{"layer": 3, "vector": "up"}]}, "block 3 does not exist; the model has blocks 0 to 2"),
+    ({"steering": [{"layer": 3, "vector": "up"}]}, "block 3 does not exist: the model has blocks 0 to 2"),
     ({"steering": [{"layer": -4, "vector": "up"}]}, "block -4 does not exist"),
     ({"steering": [{"layer": 1, "vector": "sideways"}]}, "no vector is registered as 'sideways'"),
     ({"steering": [{"layer": 1, "vector": "up", "factor": 1e30}]}, "beyond"),
@@ -334,10 +334,10 @@ def test_steering_set_by_hand_on_another_path_is_refused(subject, server, prompt
     """
     import httpx
 
-    from vlenvoys.serve.steering import VECTORS, salt_of, steering_spec
+    from vlenvoys.serve.steering import VECTORS, steering_spec
+    from vlenvoys.wire.steering import salt_of
 
-    spec = json.dumps(steering_spec({"layer": 1, "vector": vector_of(1).tolist()}, 128, 3, torch.float32, VECTORS),
-                      separators=(",", ":"))
+    spec = steering_spec({"layer": 1, "vector": vector_of(1).tolist()}, 128, 3, torch.float32, VECTORS)
     headers = {"Authorization": f"Bearer {KEY}"}
     params = {"max_tokens": 2, "temperature": 0.0, "extra_args": {"vlenvoys_steer": spec}}
     request = {"model": server["model"], "token_ids": prompts[0], "sampling_params": params}

@@ -87,8 +87,8 @@ import torch
 from ..collect.rows import new_name, received
 from ..values.names import ORDER, OWNERS
 from ..wire.requests import COLLECT_GENERATED_KEY, COLLECT_ID_KEY, COLLECT_KEY, STEER_KEY
+from ..wire.steering import salt_of
 from .fields import CAPTURES_PATH, GENERATING, SteeringError, field_entries
-from .steering import salt_of
 
 __all__ = [
     "DTYPES", "HELD_BYTES", "HELD_SECONDS", "MAX_BYTES", "PENDING", "TRANSPORTS", "CaptureError", "CaptureGone",

@@ -28,9 +28,10 @@ from ..engine.processes import worker_class
 from ..values.family import resolve_checkpoint
 from ..wire.requests import COLLECT_ID_KEY, COLLECT_KEY, STEER_KEY
 from ..wire.shm import engine_named, sweep
+from ..wire.steering import salt_of
 from .capture import HELD_BYTES, HELD_SECONDS, PENDING, CaptureGone, Captures, Held, as_file, transport_of
 from .fields import CAPTURES_PATH, GENERATING, VECTORS_PATH, SteeringError
-from .steering import VECTORS, rewritten, salt_of
+from .steering import VECTORS, rewritten
 
 __all__ = ["MIDDLEWARE", "SteeringMiddleware", "anyio_classes_first", "guard", "main", "parser", "prepare"]
 

@@ -23,39 +23,36 @@ share one slot of the engine's table.
 
 The middleware checks the field against the model, takes it out of the body
 and hands the request's spec to the engine in ``vllm_xargs`` (vLLM's
-``SamplingParams.extra_args``; `vlenvoys.wire.requests.STEER_KEY`, as JSON text, the
-vector as base64 of its float32 bytes), and salts the request's prefix cache
-by its steering (``cache_salt``) so steered and plain requests never share a
-cached prefix; `guard` refuses a spec set by hand on any path without that
-salt. A field the model cannot take is a 400 naming the reason
+``SamplingParams.extra_args``) in the one format `vlenvoys.generate`'s requests
+carry too (`vlenvoys.wire.steering`: JSON text, the vector as base64 of its
+float32 bytes), and salts the request's prefix cache by its steering
+(``cache_salt``) so steered and plain requests never share a cached prefix;
+`vlenvoys.serve.server.guard` refuses a spec set by hand on any path without
+that salt. A field the model cannot take is a 400 naming the reason
 (OpenAI's error shape, ``param`` ``"steering"``), before the request reaches
 the engine; the server goes on serving.
 
 A steered row the engine
-still finds non-finite (the checks here bound the scaled vector as
-`vlenvoys.Steering.encode` does, so only a stream already near the dtype's
-range gets there) is left unsteered from then on, as under
+still finds non-finite (the scaled vector is bounded as for
+`vlenvoys.generate`, by `vlenvoys.wire.steering.entry`, so only a stream
+already near the dtype's range gets there) is left unsteered from then on, as under
 `vlenvoys.generate`, but the response does not say so.
 """
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import json
-import math
 import numbers
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..steer.generation import Steering
 from ..values.names import OWNERS
 from ..wire.requests import STEER_KEY
+from ..wire.steering import Overlap, entry, salt_of, text
 from .fields import OWN_FIELDS, SteeringError, field_entries
 
-__all__ = ["ENTRY_KEYS", "MAX_ENTRIES", "STEERABLE", "VECTORS", "Vectors", "rewritten", "salt_of", "steering_spec"]
+__all__ = ["ENTRY_KEYS", "MAX_ENTRIES", "STEERABLE", "VECTORS", "Vectors", "rewritten", "steering_spec"]
 
 #: Values a request may steer (others are standard names served later).
 STEERABLE = ("layer_output",)
@@ -142,22 +139,20 @@ def _numbers(vector: Any, hidden_size: int, what: str, param: str = "steering") 
     return tensor
 
 
-def steering_spec(field: Any, hidden_size: int, num_layers: int, dtype: torch.dtype, vectors: Vectors) -> dict:
-    """A request's ``steering`` field as the spec the engine's `vlenvoys.worker.steerer.Steerer` admits.
+def steering_spec(field: Any, hidden_size: int, num_layers: int, dtype: torch.dtype, vectors: Vectors) -> str:
+    """A request's ``steering`` field as it travels to the engine's `vlenvoys.worker.steerer.Steerer`
+    (`vlenvoys.wire.steering.text`: JSON text, each entry's scaled vector as base64 of its float32 bytes).
+
+    Each entry is checked as `vlenvoys.generate` checks a `vlenvoys.Steering` (`vlenvoys.wire.steering.entry`),
+    so the same steering travels as the same text either way; entries alike in scaled vector and positions
+    share one slot on the engine.
 
     Args:
         field: One entry or a list of them (see the module's docstring).
         hidden_size: The served model's stream width.
         num_layers: The served model's block count.
-        dtype: The served model's dtype (the vector is scaled in it, as `vlenvoys.Steering.encode` does).
+        dtype: The served model's dtype (the vector is scaled in it).
         vectors: The named vectors.
-
-    Returns:
-        ``{"layers": [...], "vector": <base64 of float32 bytes of factor * vector
-        in the model's dtype>, "positions": None | "prompt" | "generated" | [...]}``,
-        the same bytes `vlenvoys.Steering.encode` makes for the same steering;
-        a list of such dicts where entries differ in scaled vector or positions
-        (entries alike in both are one dict of several blocks).
 
     Raises:
         SteeringError: an unknown value or key, a layer that does not exist,
@@ -165,21 +160,16 @@ def steering_spec(field: Any, hidden_size: int, num_layers: int, dtype: torch.dt
             factor or positions, a block two entries steer, more than
             `MAX_ENTRIES` entries.
     """
-    specs = []
-    for where, entry in field_entries(field, "steering", ENTRY_KEYS, MAX_ENTRIES, SteeringError):
-        value = entry.get("value", "layer_output")
+    entries = []
+    for where, given in field_entries(field, "steering", ENTRY_KEYS, MAX_ENTRIES, SteeringError):
+        value = given.get("value", "layer_output")
         if value not in STEERABLE:
             if value in OWNERS:
                 raise SteeringError(f"{where}: steering {value!r} is not served yet; served: {', '.join(STEERABLE)}")
             raise SteeringError(f"{where}: unknown value {value!r}; served: {', '.join(STEERABLE)}")
-        layer = entry.get("layer")
-        if "layer" not in entry:
+        if "layer" not in given:
             raise SteeringError(f"{where}: no layer; an entry steers one block, e.g. \"layer\": 0")
-        if not isinstance(layer, int) or isinstance(layer, bool):
-            raise SteeringError(f"{where}.layer: expected a block index (an integer), got {layer!r}")
-        if not -num_layers <= layer < num_layers:
-            raise SteeringError(f"{where}.layer: block {layer} does not exist; the model has blocks 0 to {num_layers - 1}")
-        vector = entry.get("vector")
+        vector = given.get("vector")
         if vector is None:
             raise SteeringError(f"{where}: no vector; give a list of {hidden_size} numbers or a registered vector's name")
         if isinstance(vector, str):
@@ -187,46 +177,24 @@ def steering_spec(field: Any, hidden_size: int, num_layers: int, dtype: torch.dt
                 vector = vectors.get(vector)
             except SteeringError as error:
                 raise SteeringError(f"{where}.vector: {error}") from None
-        else:
-            vector = _numbers(vector, hidden_size, f"{where}.vector")
-        factor = entry.get("factor", 1.0)
-        if not isinstance(factor, numbers.Real) or isinstance(factor, bool) or not math.isfinite(factor):
-            raise SteeringError(f"{where}.factor: expected a finite number, got {factor!r}")
-        positions = entry.get("positions", "all")
-        if positions in ("all", "prompt", "generated"):
-            chosen = None
-        elif isinstance(positions, list) and all(
-            isinstance(each, int) and not isinstance(each, bool) and each >= 0 for each in positions
+        elif isinstance(vector, list) and all(
+            isinstance(each, numbers.Real) and not isinstance(each, bool) for each in vector
         ):
-            chosen = positions
+            vector = torch.tensor(vector, dtype=torch.float32)
         else:
-            raise SteeringError(
-                f"{where}.positions: expected \"all\", \"prompt\", \"generated\" or a list of non-negative token "
-                f"positions, got {positions!r}"
-            )
+            raise SteeringError(f"{where}.vector: expected a list of {hidden_size} numbers or a registered name")
+        positions = given.get("positions", "all")
         try:
-            spec = Steering(layer, vector, float(factor), chosen).encode_for(hidden_size, num_layers, dtype)
+            entries.append(entry(
+                given["layer"], vector, given.get("factor", 1.0), None if positions == "all" else positions,
+                hidden_size=hidden_size, num_layers=num_layers, dtype=dtype,
+            ))
         except (ValueError, TypeError, IndexError) as error:
             raise SteeringError(f"{where}: {error}") from None
-        if positions == "all":
-            spec["positions"] = None
-        elif isinstance(positions, str):
-            spec["positions"] = positions
-        specs.append(spec)
-    # Entries of one scaled vector and one positions choice share a slot on the engine (one spec, several blocks).
-    groups: dict[tuple, list[int]] = {}
-    steered: set[int] = set()
-    for number, spec in enumerate(specs):
-        twice = sorted(steered & set(spec["layers"]))
-        if twice:
-            raise SteeringError(f"steering[{number}]: block {twice[0]} is steered by two entries")
-        steered.update(spec["layers"])
-        groups.setdefault((spec["vector"], json.dumps(spec["positions"])), []).extend(spec["layers"])
-    made = [
-        {"layers": sorted(layers), "vector": base64.b64encode(vector).decode("ascii"), "positions": json.loads(positions)}
-        for (vector, positions), layers in groups.items()
-    ]
-    return made[0] if len(made) == 1 else made
+    try:
+        return text(entries)
+    except Overlap as error:
+        raise SteeringError(f"steering[{error.number}]: {error}") from None
 
 
 def rewritten(body: dict, hidden_size: int, num_layers: int, dtype: torch.dtype, vectors: Vectors) -> dict | None:
@@ -265,18 +233,12 @@ def rewritten(body: dict, hidden_size: int, num_layers: int, dtype: torch.dtype,
     if xargs is not None and not isinstance(xargs, dict):
         raise SteeringError("vllm_xargs: expected an object", "vllm_xargs")
     spec = steering_spec(field, hidden_size, num_layers, dtype, vectors)
-    text = json.dumps(spec, separators=(",", ":"))
-    body["vllm_xargs"] = {**(xargs or {}), STEER_KEY: text}
+    body["vllm_xargs"] = {**(xargs or {}), STEER_KEY: spec}
     # Salted by its steering, as vlenvoys.generate salts it: a prefix cache shared only with requests steered alike.
-    salt = salt_of(text)
+    salt = salt_of(spec)
     own = body.get("cache_salt")
     body["cache_salt"] = f"{own}-{salt}" if isinstance(own, str) and own else salt
     return body
-
-
-def salt_of(text: str) -> str:
-    """The cache salt of a request whose steering spec is ``text`` (its JSON in ``vllm_xargs``)."""
-    return "vlenvoys-steer-" + hashlib.sha256(text.encode()).hexdigest()
 
 
 #: The server's named vectors (this process's: `prepare` loads ``--vectors`` files into it).

@@ -12,9 +12,6 @@ trace's, bit for bit on the same kernels.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
-import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,9 +20,9 @@ import torch
 from ..engine.requests import check_engine, checked_prompts
 from ..engine.stepping import abandoned_on_error
 from ..errors import InvalidWrite
-from ..values.envoys import block_index
 from ..values.reads import unsteerable
 from ..wire.requests import STEER_KEY
+from ..wire.steering import entry, salt_of, text
 
 __all__ = ["Steering", "generate"]
 
@@ -55,93 +52,33 @@ class Steering:
     factor: float = 1.0
     positions: Sequence[int] | slice | None = None
 
-    def encode(self, model: Any) -> dict:
-        """The request's steering as ``extra_args`` carry it: blocks, the scaled vector, positions.
+    def encode(self, model: Any) -> str:
+        """The request's steering as it travels to the worker (`vlenvoys.wire.steering.text`), checked against
+        ``model``.
 
         Raises:
             NoSuchBlock: a block that does not exist (an IndexError).
-            ValueError: a vector of another shape, a scaled vector with
-                non-finite entries or entries beyond the square root of the
-                dtype's largest value, or negative or stepped positions.
+            ValueError: a vector of another shape, a factor that is not
+                finite, a scaled vector with non-finite entries or entries
+                beyond the square root of the dtype's largest value, or
+                negative or stepped positions.
             TypeError: a vector that is not a float tensor, a factor that is
                 not a number, blocks that are not ints.
         """
         return self.encode_for(model.hidden_size, model.num_layers, _dtype(model))
 
-    def encode_for(self, hidden_size: int, num_layers: int, dtype: torch.dtype) -> dict:
-        """`encode` for a model known by its shape alone: ``hidden_size``, ``num_layers`` blocks, ``dtype``.
-
-        What `vlenvoys serve` uses (`vlenvoys.serve.steering`), which holds no loaded model; raises as `encode`.
-        """
-        if not isinstance(self.vector, torch.Tensor) or not self.vector.is_floating_point():
-            got = f"a {self.vector.dtype} tensor" if isinstance(self.vector, torch.Tensor) else type(self.vector).__name__
-            raise TypeError(f"Steering.vector: expected a float tensor of shape [{hidden_size}], got {got}")
-        if not isinstance(self.factor, numbers.Real) or isinstance(self.factor, bool):
-            raise TypeError(f"Steering.factor: expected a number, got {type(self.factor).__name__}")
-        if tuple(self.vector.shape) != (hidden_size,):
-            raise ValueError(
-                f"Steering.vector: expected shape [{hidden_size}] (hidden_size), got {list(self.vector.shape)}"
-            )
-        layers = [self.layers] if isinstance(self.layers, int) else self.layers
-        if not isinstance(layers, (list, tuple, range)) or not layers or not all(
-            isinstance(layer, int) and not isinstance(layer, bool) for layer in layers
-        ):
-            raise TypeError(f"Steering.layers: expected a block index or a list of them, got {self.layers!r}")
-        blocks = sorted({block_index(layer, num_layers) for layer in layers})
-        # Scaled where a trace scales it: in the model's dtype (``factor * vector.to(dtype)``).
-        scaled = float(self.factor) * self.vector.detach().to(device="cpu", dtype=dtype)
-        if not torch.isfinite(scaled).all():
-            raise ValueError(f"Steering: factor * vector has non-finite entries in {dtype} (factor {self.factor})")
-        # The next norm squares the stream: entries past sqrt(max) would overflow it, and the
-        # non-finite keys and values computed from it would reach the engine's cache.
-        limit = torch.finfo(dtype).max ** 0.5
-        if scaled.abs().max().item() > limit:
-            raise ValueError(
-                f"Steering: factor * vector has entries beyond {limit:.3g} (the square root of {dtype}'s largest "
-                f"value; factor {self.factor}): the next norm would overflow"
-            )
-        # The next norm sums the squares in float32: entries each under the bound can still overflow that sum
-        # (1.5e19 in each of 128 entries of a bfloat16 stream gave a uniform distribution, neither refused nor left unsteered).
-        bound = torch.finfo(torch.float32).max ** 0.5
-        if scaled.double().norm().item() > bound:
-            raise ValueError(
-                f"Steering: factor * vector has a norm beyond {bound:.3g} (the square root of float32's largest value, "
-                f"where the next norm sums its squares; factor {self.factor}): the next norm would overflow"
-            )
-        return {
-            "layers": blocks,
-            # The model-dtype values, exact in float32, as raw bytes: vLLM deep-copies and walks a request's
-            # extra_args on its way in, which for a list of 2048 floats took 2.5 ms a request (bytes: 0.1).
-            "vector": scaled.float().numpy().tobytes(),
-            "positions": _positions(self.positions),
-        }
-
-
-def _digest(spec: dict) -> str:
-    """A steering's fingerprint (its requests' cache salt)."""
-    rest = {key: value for key, value in spec.items() if key != "vector"}
-    return hashlib.sha256(json.dumps(rest, sort_keys=True).encode() + bytes(spec["vector"])).hexdigest()
+    def encode_for(self, hidden_size: int, num_layers: int, dtype: torch.dtype) -> str:
+        """`encode` for a model known by its shape alone: ``hidden_size``, ``num_layers`` blocks, ``dtype``;
+        raises as `encode` (`vlenvoys.wire.steering.entry` checks it)."""
+        checked = entry(
+            self.layers, self.vector, self.factor, self.positions, hidden_size=hidden_size, num_layers=num_layers,
+            dtype=dtype,
+        )
+        return text([checked])
 
 
 def _dtype(model: Any) -> torch.dtype:
     return model.vllm_entrypoint.llm_engine.model_config.dtype
-
-
-def _positions(positions: Any) -> Any:
-    if positions is None:
-        return None
-    if isinstance(positions, slice):
-        start, stop = positions.start or 0, positions.stop
-        if positions.step not in (None, 1) or start < 0 or (stop is not None and stop < 0):
-            raise ValueError(f"Steering.positions: a slice needs non-negative bounds and no step, got {positions}")
-        return {"start": int(start), "stop": None if stop is None else int(stop)}
-    listed = [positions] if isinstance(positions, int) else list(positions)
-    if not all(isinstance(each, int) and not isinstance(each, bool) and each >= 0 for each in listed):
-        raise ValueError(
-            f"Steering.positions: expected non-negative token positions (a generation's length is not known "
-            f"in advance, so none count from the end), got {positions!r}"
-        )
-    return sorted(set(listed))
 
 
 def generate(
@@ -202,7 +139,7 @@ def generate(
         raise TypeError("sampling_params: expected vLLM SamplingParams, or a list of them (one per prompt)")
     if len(sampling_params) != len(prompts):
         raise ValueError(f"sampling_params: {len(sampling_params)} entries for {len(prompts)} prompts")
-    encoded: dict[int, tuple[dict, str]] = {}  # one encoding per distinct Steering object
+    encoded: dict[int, tuple[str, str]] = {}  # one encoding per distinct Steering object
     per_request, inputs = [], []
     for prompt, each, params in zip(prompts, steering, sampling_params, strict=True):
         if each is not None and not isinstance(each, Steering):
@@ -211,13 +148,13 @@ def generate(
         if each is not None:
             if id(each) not in encoded:
                 spec = each.encode(model)
-                encoded[id(each)] = spec, _digest(spec)
+                encoded[id(each)] = spec, salt_of(spec)
             spec, salt = encoded[id(each)]
             params = params.clone()
             params.extra_args = {**(params.extra_args or {}), STEER_KEY: spec}
             # A steered request's key/value cache is its steering's: salted, a prefix cache
             # shares it only with requests steered alike, never with unsteered ones.
-            options["cache_salt"] = f"vlenvoys-steer-{salt}"
+            options["cache_salt"] = salt
         per_request.append(params)
         if isinstance(prompt, str):
             inputs.append({"prompt": prompt, **options})

@@ -16,7 +16,6 @@ block, and each step's plan reaches the replay through those buffers.
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,7 +23,7 @@ import numpy as np
 import torch
 
 from ..wire.requests import STEER_KEY
-from ..wire.steering import vector_of
+from ..wire.steering import read
 from . import kernels
 
 __all__ = ["REFUSED", "SETTLE_EVERY", "Steerer", "failures", "plan_step"]
@@ -97,21 +96,17 @@ class Steerer:
     def admit(self, request: str, spec: Any) -> None:
         """Take a new request's steering; a spec the model cannot take is refused, never raised here.
 
-        ``spec`` is a dict (`Steering.encode`), a list of such dicts steering
-        disjoint blocks (each its own vector and positions, in a slot of its
-        own), or the JSON text of either (what an HTTP request's ``vllm_xargs``
-        can carry, `vlenvoys.serve.steering`), whose ``positions`` may also be
-        ``"prompt"`` (the prompt's positions) or ``"generated"`` (from the
-        prompt's length on), resolved here by the request's prompt.
+        ``spec`` is the request's steering as it travels (`vlenvoys.wire.steering.text`): entries steering
+        disjoint blocks, each its own vector and positions, in a slot of its own. Positions ``"prompt"``
+        (the prompt's) and ``"generated"`` (from the prompt's length on) are resolved here by the
+        request's prompt.
         """
         try:
-            if isinstance(spec, str):
-                spec = json.loads(spec)
-            entries = [self._read(request, each) for each in (spec if isinstance(spec, list) else [spec])]
-            blocks = [layer for layers, _, _ in entries for layer in layers]
-            if not entries or len(set(blocks)) != len(blocks):
-                raise ValueError(f"entries must steer disjoint blocks, got {blocks}")
-            for layer in blocks:
+            entries = [
+                (layers, vector, self._positions(request, positions))
+                for layers, vector, positions in read(spec, self.hidden, self.blocks)
+            ]
+            for layer in [layer for layers, _, _ in entries for layer in layers]:
                 self._hook(layer)
         except Exception as error:  # from a hand-made extra_args: the engine must go on serving
             self.failed[_stem(request)] = f"its steering could not be read ({type(error).__name__}: {error})"
@@ -132,17 +127,8 @@ class Steerer:
         self.requests[request] = admitted
         self.changes += 1
 
-    def _read(self, request: str, spec: dict) -> tuple[list[int], torch.Tensor, Any]:
-        """One entry of a spec: its blocks, its vector (float32) and its positions, checked against the model."""
-        layers = [int(layer) for layer in spec["layers"]]
-        if not layers or any(layer < 0 or layer >= self.blocks for layer in layers):
-            raise ValueError(f"blocks {layers}: the model has blocks 0 to {self.blocks - 1}")
-        vector = vector_of(spec["vector"])
-        if tuple(vector.shape) != (self.hidden,):
-            raise ValueError(f"a vector of shape {list(vector.shape)} for a stream of {self.hidden}")
-        if not torch.isfinite(vector).all():
-            raise ValueError("the vector is not finite")
-        positions = spec["positions"]
+    def _positions(self, request: str, positions: Any) -> Any:
+        """An entry's positions as the plan reads them: None, a set, or ``{"start", "stop"}`` resolved by the prompt."""
         if positions in ("prompt", "generated"):
             length = int(self.runner.requests[request].num_prompt_tokens)
             positions = {"start": 0, "stop": length} if positions == "prompt" else {"start": length, "stop": None}
@@ -152,7 +138,7 @@ class Steerer:
             positions = frozenset(int(position) for position in positions)
         elif positions is not None:
             positions = {"start": int(positions["start"]), "stop": positions["stop"]}
-        return layers, vector, positions
+        return positions
 
     def _hook(self, layer: int) -> None:
         if layer in self.hooked:
