@@ -1,5 +1,6 @@
 """One vLLM engine per model for the session, beside the transformers model with the same weights."""
 
+import pytest
 from vlenvoys import conformance
 from vlenvoys.oracle import GRANITE_LAYOUT
 
@@ -33,3 +34,12 @@ subject = conformance.subject_fixture(MODELS)
 
 def pytest_terminal_summary(terminalreporter):
     conformance.summary(terminalreporter)
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    """One ``vlenvoys serve`` of the tiny Llama for the session (test_llama_serve.py, test_llama_fuzz.py)."""
+    from test_llama_serve import started_server
+
+    with started_server(tmp_path_factory) as started:
+        yield started

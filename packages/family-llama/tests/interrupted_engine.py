@@ -2,10 +2,13 @@
 
     python interrupted_engine.py CHECKPOINT FOLDER
 
-For each kind of work it prints ``start KIND``, runs it until the test's SIGINT to the whole group
+First its engine's start is interrupted (``start load``, ``interrupted load SECONDS``, then
+``stopped load`` once no engine process is left). For each kind of work it prints ``start KIND``, runs it until the test's SIGINT to the whole group
 (a terminal's Ctrl-C) raises KeyboardInterrupt here, prints ``interrupted KIND SECONDS`` (from the
 signal to the exception), then collects a few prompts and prints ``alive KIND`` if their values
-equal the same prompts' collected before any interrupt.
+equal the same prompts' collected before any interrupt. A kind ``KIND_twice`` is interrupted a
+second time while the first interrupt's requests are aborted (the script signals itself there). Then it prints ``engine PIDS`` (vLLM's engine
+processes) and waits to be killed outright, which must end those processes too.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -35,6 +39,22 @@ def main() -> None:
         SIGNALLED.append(time.perf_counter())
         previous(signum, frame)
 
+    signal.signal(signal.SIGINT, noted)
+    import psutil
+
+    def engine_processes() -> list:
+        return [child for child in psutil.Process().children(recursive=True)
+                if "VLLM" in child.name() and child.status() != psutil.STATUS_ZOMBIE]
+
+    # First the start itself, interrupted by the test once vLLM's engine process runs.
+    print("start load", flush=True)
+    try:
+        vlenvoys.load(checkpoint, enable_prefix_caching=False)
+        print("finished load", flush=True)
+    except KeyboardInterrupt:
+        print("interrupted load", flush=True)  # vlenvoys held the signal until the start was wound up
+    time.sleep(1.0)
+    print(f"{'alive' if engine_processes() else 'stopped'} load", flush=True)
     signal.signal(signal.SIGINT, noted)
     model = vlenvoys.load(checkpoint, enable_prefix_caching=False)
     few = [[5, 17, 33, 8, 91, 4], [7, 7, 12, 250, 3]]
@@ -59,18 +79,39 @@ def main() -> None:
         "generate": lambda: vlenvoys.generate(model, many, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True),
                                               steering=vlenvoys.Steering(1, torch.ones(model.hidden_size)), use_tqdm=False),
     }
+    engine = model.vllm_entrypoint.llm_engine
+    abort = engine.abort_request
+
+    def interrupted_again(*args, **kwargs):  # a second Ctrl-C, sure to come while the first is wound up
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.3)
+        return abort(*args, **kwargs)
+
     for kind in sys.argv[3:] or work:
         SIGNALLED.clear()
         print(f"start {kind}", flush=True)
+        if kind.endswith("_twice"):
+            engine.abort_request = interrupted_again
         try:
-            work[kind]()
+            work[kind.removesuffix("_twice")]()
             print(f"finished {kind}", flush=True)  # the test's signal came too late: it fails on this
         except KeyboardInterrupt:
             print(f"interrupted {kind} {time.perf_counter() - SIGNALLED[0]:.3f}", flush=True)
+        finally:
+            engine.abort_request = abort
+        if any(thread.name == "vlenvoys-collect-cleanup" for thread in threading.enumerate()):
+            print(f"busy {kind}", flush=True)  # the caller goes on while its interrupted work still calls the engine
+        try:
+            time.sleep(0.5)
+        except KeyboardInterrupt:  # an interrupt that outlived the work it was meant for
+            print(f"late {kind}", flush=True)
         after = collect(model, few, "layer_output", [0, 2])
         same = all(torch.equal(a, b) for key in before for a, b in zip(before[key], after[key], strict=True))
         print(f"{'alive' if same else 'changed'} {kind}", flush=True)
-    vlenvoys.shutdown(model)
+    # Last, the test kills this process outright (SIGKILL, this process alone): the engine must not outlive it.
+    engine = [child.pid for child in engine_processes()]
+    print(f"engine {' '.join(map(str, engine))}", flush=True)
+    time.sleep(600)
 
 
 if __name__ == "__main__":

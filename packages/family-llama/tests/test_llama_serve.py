@@ -11,6 +11,7 @@ every request also goes through vLLM's authentication.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import pytest
@@ -39,9 +40,13 @@ def vector_of(seed: int, scale: float = 3.0) -> torch.Tensor:
     return scale * torch.randn(128, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """``vlenvoys serve`` on the tiny Llama, in a process of its own; its base URL, model name and log."""
+@contextlib.contextmanager
+def started_server(tmp_path_factory):
+    """``vlenvoys serve`` on the tiny Llama, in a process of its own; its base URL, model name and log.
+
+    The ``server`` fixture (conftest.py) starts it once per session, for these tests and the fuzzed requests of
+    test_llama_fuzz.py.
+    """
     from safetensors.torch import save_file
 
     folder = tmp_path_factory.mktemp("serve")

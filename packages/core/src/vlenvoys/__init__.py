@@ -19,7 +19,7 @@ from .envoys import (
     TransformersLayer,
     TransformersMlp,
 )
-from .errors import DECODE_STEP, FUSED_ROUTING, GATED, NOT_ROUTED, PARALLEL, ROUTED, InvalidWrite, NoSuchBlock, ReadOnly, SkipRefused, Unavailable, UnknownArchitecture
+from .errors import DECODE_STEP, FUSED_ROUTING, GATED, NOT_ROUTED, PARALLEL, ROUTED, InvalidWrite, NoSuchBlock, Preempted, ReadOnly, SkipRefused, Unavailable, UnknownArchitecture
 from .family import BACKBONE_NAMES, TIED_BACKBONE_NAMES, Architecture, ByConfig, Family, InstalledFamily, families
 from .steering import Steering, generate
 from .support import Support, support
@@ -53,6 +53,7 @@ __all__ = [
     "Neurons",
     "ParallelLayer",
     "Pattern",
+    "Preempted",
     "ReadOnly",
     "Residual",
     "Routes",

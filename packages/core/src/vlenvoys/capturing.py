@@ -404,12 +404,9 @@ class Captures:
         """
         collector, name, entries, transport = ticket
         answer = json.loads(body) if status == 200 else None
-        completed = None
-        if answer is not None:
-            completed = (answer.get("usage") or {}).get("completion_tokens")
-            completed = -1 if completed is None else completed
+        completed = None if answer is None else (answer.get("usage") or {}).get("completion_tokens")
         try:
-            values = await self._taken(collector, name, entries, completed)
+            values = await self._taken(collector, name, entries, answer is not None, completed)
         finally:
             collector.users -= 1
             PENDING.discard(name)
@@ -426,11 +423,14 @@ class Captures:
             return status, json.dumps(answer).encode()
         return status, await asyncio.to_thread(_inline, answer, values)
 
-    async def _taken(self, collector: _Collector, name: str, entries: list[dict], completed: int | None) -> Any:
-        """This request's values (`_values`), taken off the engine together with every other request's that
-        waits for the same collector's: one take for all of them, not one each."""
+    async def _taken(
+        self, collector: _Collector, name: str, entries: list[dict], wanted: bool, completed: int | None
+    ) -> Any:
+        """This request's values (`_values`; None where not ``wanted``: its response is not a 200), taken off the
+        engine together with every other request's that waits for the same collector's: one take for all of
+        them, not one each. The engine forgets them either way."""
         future = asyncio.get_running_loop().create_future()
-        collector.waiting[name] = (future, entries, completed)
+        collector.waiting[name] = (future, entries, wanted, completed)
         if collector.taking is None:
             # A task of its own, not this request's: a client that goes away cancels its request, not a take
             # that carries other requests' values.
@@ -466,14 +466,15 @@ class Captures:
 
 
 def _values_of_each(packed: dict, batch: dict[str, tuple], head_dims: dict) -> dict[str, Any]:
-    """`_values` of each request in ``batch`` (capture id -> (future, entries, completion's tokens or None)),
-    None for those whose values are not wanted (their response is not a 200)."""
+    """`_values` of each request in ``batch`` (capture id -> (future, entries, wanted, completion's tokens or
+    None)), None for those not wanted."""
     from .collector import received
 
     taken = received(packed)
+    at = {name: index for index, name in enumerate(taken["order"])}
     return {
-        name: None if completed is None else _values(taken, name, head_dims, entries, None if completed < 0 else completed)
-        for name, (_, entries, completed) in batch.items()
+        name: _values(taken, name, at.get(name), head_dims, entries, completed) if wanted else None
+        for name, (_, entries, wanted, completed) in batch.items()
     }
 
 
@@ -488,17 +489,19 @@ def _inline(answer: dict, values: list[tuple[dict, torch.Tensor]]) -> bytes:
 
 
 def _values(
-    taken: dict, name: str, head_dims: dict, entries: list[dict], completed: int | None
+    taken: dict, name: str, at: int | None, head_dims: dict, entries: list[dict], completed: int | None
 ) -> list[tuple[dict, torch.Tensor]] | str:
     """Each entry's response entry (less its values) and values, copied out of the engine's blocks; or why the
     request has none.
 
-    ``taken``: a take's answer, received (`vlenvoys.collector.received`). ``completed``: the response's
-    generated tokens (its usage), of which all but the last were fed back.
+    ``taken``: a take's answer, received (`vlenvoys.collector.received`); ``at``: the request's place in its
+    ``order``. ``completed``: the response's generated tokens (its usage; None where it has none), of which all
+    but the last were fed back.
     """
     if name in taken["missing"]:
         return f"capture: {taken['missing'][name]}"
-    at = taken["order"].index(name)
+    if at is None:  # the worker names every request it was asked for, in order or missing: this is a bug
+        raise RuntimeError(f"the engine's take neither handed over nor named capture {name}")
     rows = {key: each[at] for key, each in taken["values"].items()}
     prompt = taken["prompts"][name]
     chosen_of, fed_of, total = [], {}, 0

@@ -472,7 +472,19 @@ def _clean_up(model: Any, cleanup: Callable[[], Any], quietly: bool = False) -> 
     the engine gone there is nothing left to clean up. ``quietly`` (while an
     error is on its way up, the one worth seeing) turns an error of
     ``cleanup`` into a warning; otherwise it is raised here.
+
+    A Ctrl-C while it runs is held until it is done, then raised as
+    KeyboardInterrupt: stopping it half way left requests on the engine.
     """
+    from .engine import interrupts_held
+
+    with interrupts_held("vlenvoys: interrupted again; stopping as soon as the engine's requests are wound up") as heard:
+        _clean_up_now(model, cleanup, quietly)
+    if heard:  # the interrupt held while winding up
+        raise KeyboardInterrupt
+
+
+def _clean_up_now(model: Any, cleanup: Callable[[], Any], quietly: bool) -> None:
     resources = getattr(model.vllm_entrypoint.llm_engine.engine_core, "resources", None)
     done, errors = threading.Event(), []
 
@@ -487,10 +499,13 @@ def _clean_up(model: Any, cleanup: Callable[[], Any], quietly: bool = False) -> 
     if resources is None:  # an in-process engine: it cannot exit under us
         run()
     else:
-        threading.Thread(target=run, name="vlenvoys-collect-cleanup", daemon=True).start()
+        thread = threading.Thread(target=run, name="vlenvoys-collect-cleanup", daemon=True)
+        thread.start()
     while not done.wait(0.1):
         if resources.engine_dead:
             return
+    if resources is not None:
+        thread.join()  # done: nothing calls the engine once the caller goes on
     if resources is not None and resources.engine_dead:
         return  # it failed because the engine is gone
     if errors and quietly:
@@ -589,6 +604,8 @@ def serve_private_edits(requests: Any) -> None:
     ``nnsight_requests`` (nnsight's ``Requests``); its ``add`` is wrapped to drop
     a private registration's copy from each new request that did not ask for it
     by name, before any block starts. Other registrations keep nnsight's rule.
+    Its ``refuse_chunked`` is wrapped to refuse, by name, a request whose copy of
+    such a registration would see its prompt split by chunked prefill.
     """
     add = requests.add
 
@@ -605,3 +622,28 @@ def serve_private_edits(requests: Any) -> None:
                     request.copies.pop(registration_id, None)
 
     requests.add = add_private
+    refuse = requests.refuse_chunked
+
+    def refuse_chunked(spans: list, states: dict) -> None:
+        # nnsight refuses a trace's prompt split across steps by chunked prefill, not a registration's copy: collect's
+        # block (values no hook reads) read the first chunk's rows and ended, its values short (measured: 32 rows of
+        # 201, in steps of 32). Refused the same way, by name.
+        refuse(spans, states)
+        for request_id, scheduled in spans:
+            request, state = requests.requests.get(request_id), states.get(request_id)
+            if request is None or state is None or request.error is not None:
+                continue
+            if state.num_computed_tokens + scheduled >= state.num_prompt_tokens:
+                continue
+            if any((requests.names.get(key) or "").startswith(PRIVATE) for key in request.copies):
+                from nnsight.intervention.errors import capture_exception
+
+                request.error = capture_exception(RuntimeError(
+                    f"this request's {state.num_prompt_tokens}-token prompt was split across steps by chunked prefill "
+                    f"({scheduled} tokens this step), so collect's block could not read it whole; load without "
+                    "enable_chunked_prefill=True, or raise max_num_batched_tokens (and long_prefill_token_threshold) "
+                    "past the prompt length"
+                ))
+                request.copies = {}
+
+    requests.refuse_chunked = refuse_chunked

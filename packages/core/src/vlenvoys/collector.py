@@ -18,7 +18,8 @@ order, as nnsight's own batcher uses). A request's rows may come in several
 steps (chunked prefill); they are joined when the client takes them, and a
 request that comes back with fewer rows than its prompt (a prefix-cache hit
 would skip the forward over the cached tokens) is refused by name, never served
-short.
+short. A request vLLM preempts and recomputes runs its positions again: the rows
+already read are skipped then, never read twice.
 """
 
 from __future__ import annotations
@@ -197,10 +198,10 @@ class Collector:
     def _copy_off_device(self, host: torch.Tensor, rows: torch.Tensor) -> Any:
         """Queue the copy of ``rows`` into ``host`` (pinned) on the worker's copy stream; the event after it.
 
-        On the forward's own stream the copy held every kernel after it until it was done. On a stream of
-        its own it overlaps the rest of the forward: the rows
-        are first copied on the device (fast), as the next kernels may write over the module's output in
-        place, and the copy stream waits for that; `take` waits for the event.
+        On the forward's own stream the copy held every kernel after it until it was done. On a stream of its
+        own it overlaps the rest of the forward: the rows are first copied on the device (fast), as the next
+        kernels may write over the module's output in place, and the copy stream waits for that; `take` waits
+        for the event.
         """
         staged = rows.clone()
         stream = copy_stream(self.runner)
@@ -221,8 +222,9 @@ class Collector:
         """This step's rows of this collector's requests not yet read at ``key``: (request id, first row, rows).
 
         Prompt rows only, unless the request asked for its decode steps' too
-        (`GENERATED_KEY`): then each row must come at the position after the
-        last one read, or the request's rows are not served (`broken`).
+        (`GENERATED_KEY`): then a row past the position after the last one read
+        (a gap) leaves the request's rows unserved (`broken`). Rows at positions
+        read already (a request recomputed after a preemption) are skipped.
         """
         mine = []
         positions = getattr(self.runner, "vlenvoys_positions", {})
@@ -230,12 +232,19 @@ class Collector:
             if request not in self.prompts or request in self.broken:
                 continue
             seen = self.seen[request].get(key, 0)
+            position = positions.get(request, seen)
+            if position < seen:
+                # vLLM preempted the request (its key/value blocks went to others) and now recomputes it from
+                # `position`: the rows before `seen` were read already, so this step's first rows are skipped
+                # (never read twice; the rows read first are kept).
+                skipped = min(count, seen - position)
+                start, count = start + skipped, count - skipped
             count = min(count, self.limits[request] - seen)
-            if count > 0 and self.limits[request] > self.prompts[request] and positions.get(request, seen) != seen:
-                # A recomputation after a preemption, or a step whose hooks did not run (a replayed graph).
+            if count > 0 and self.limits[request] > self.prompts[request] and position > seen:
+                # Rows the engine ran without hooks (decode steps replayed as CUDA graphs): a gap.
                 self.broken[request] = (
-                    f"{key}: the engine ran position {positions[request]} after {seen} rows read (a request preempted and "
-                    "recomputed, or decode steps replayed as CUDA graphs, which run no hooks)"
+                    f"{key}: the engine ran position {position} after {seen} rows read (decode steps replayed as "
+                    "CUDA graphs run no hooks)"
                 )
                 continue
             if count > 0:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
+import sys
+import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -77,9 +80,13 @@ class StandardizedVLLM(VLLM):
         self._WORKER_CLS = worker_class()
         _spawn_on_a_gpu()
         # Its workers' row files are named for it (`shutdown` waits for them to go); a Ctrl-C stops the caller alone.
-        with engine_named() as name, interrupts_stay_with_the_caller():
+        with engine_named() as name, interrupts_stay_with_the_caller(), interrupts_held_while_starting() as heard:
             self._engine_name = name
-            return super()._load(repo_id, **kwargs)
+            loaded = super()._load(repo_id, **kwargs)
+        if heard:  # a Ctrl-C came while the engine started: it is stopped now, and the caller interrupted
+            shutdown(self)
+            raise KeyboardInterrupt("interrupted while the engine started; it has been shut down")
+        return loaded
 
     #: Set by `_load`: the name the engine's workers' arenas start with (`vlenvoys.handover.engine_named`).
     _engine_name: str | None = None
@@ -251,7 +258,10 @@ class StandardizedVLLM(VLLM):
 
     @token_embeddings.setter
     def token_embeddings(self, value: torch.Tensor) -> None:
-        self.layers[0].layer_input = value
+        try:
+            self.layers[0].layer_input = value
+        except InvalidWrite as error:  # named as assigned, not as block 0's layer_input only (found by fuzzing, #46)
+            raise InvalidWrite(f"token_embeddings (block 0's {error})") from None
 
     @property
     def num_layers(self) -> int:
@@ -709,6 +719,48 @@ def load(model: str | os.PathLike | None = None, *, cuda_graphs: bool = False, *
     return loaded
 
 
+@contextlib.contextmanager
+def interrupts_held_while_starting() -> Iterator[list[float]]:
+    """Hold a SIGINT that comes while vLLM starts its engine; the list yielded says whether one came.
+
+    vLLM's start-up waits in ZeroMQ polls, and pyzmq drops a KeyboardInterrupt
+    raised there by the signal's handler (it retries the poll): a Ctrl-C
+    during `load` was lost, or left the caller and the engine each waiting for
+    the other. So the handler only notes it here, vLLM finishes starting, and
+    the caller (`_load`) shuts the engine down and raises KeyboardInterrupt.
+    Off the main thread (no signal reaches it) nothing changes.
+    """
+    with interrupts_held("vlenvoys: interrupted; the engine is shut down as soon as it has started") as heard:
+        yield heard
+
+
+@contextlib.contextmanager
+def interrupts_held(message: str) -> Iterator[list[int]]:
+    """Note a SIGINT that comes inside the block instead of raising KeyboardInterrupt; the list yielded holds them.
+
+    For work that must not stop half done: an engine's start, and the calls
+    that wind up an interrupted request (a second Ctrl-C there left requests
+    on the engine, and a thread still calling it beside the caller's next
+    call). ``message`` goes to stderr at the first one. On a thread other than
+    the main one (no signal reaches it) nothing changes.
+    """
+    heard: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield heard
+        return
+
+    def hold(signum: int, frame: Any) -> None:
+        if not heard:
+            print(message, file=sys.stderr, flush=True)
+        heard.append(signum)
+
+    previous = signal.signal(signal.SIGINT, hold)
+    try:
+        yield heard
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 #: True while `interrupts_stay_with_the_caller` starts an engine (read in a forked child, see `_own_group`).
 _STARTING_ENGINE = False
 
@@ -726,9 +778,16 @@ def interrupts_stay_with_the_caller() -> Iterator[None]:
     blocked nor an ignored SIGINT would do: a spawned child starts with an
     empty signal mask, and vLLM's processes set their own SIGINT handlers.
 
+    Out of the caller's group, the engine no longer hears the signals that
+    ended it with its caller (a closed terminal's SIGHUP, a Ctrl-C that ends
+    the program), and vLLM's engine process does not notice its caller's exit:
+    a caller killed outright would leave the engine holding its memory. So
+    each engine process also watches its parent (`ORPHAN_WATCH`) and
+    shuts down (SIGTERM, which vLLM handles) once it is gone.
+
     A spawned process (vLLM's default where CUDA is set up, and the CPU
-    engine's) runs ``os.setpgid(0, 0)`` first in its command line; a forked
-    one at fork (`_own_group`).
+    engine's) runs ``os.setpgid(0, 0)`` and the watch first in its command
+    line; a forked one at fork (`_own_group`).
     """
     global _STARTING_ENGINE
     from multiprocessing import spawn
@@ -738,7 +797,7 @@ def interrupts_stay_with_the_caller() -> Iterator[None]:
     def own_group(**kwargs: Any) -> list[str]:
         line = command_line(**kwargs)
         program = line.index("-c") + 1
-        line[program] = f"import os; os.setpgid(0, 0); {line[program]}"
+        line[program] = f"import os; os.setpgid(0, 0); exec({ORPHAN_WATCH!r}, {{}}); {line[program]}"
         return line
 
     spawn.get_command_line, _STARTING_ENGINE = own_group, True
@@ -751,6 +810,25 @@ def interrupts_stay_with_the_caller() -> Iterator[None]:
 def _own_group() -> None:
     if _STARTING_ENGINE:  # a child forked while an engine starts: vLLM's engine core
         os.setpgid(0, 0)
+        exec(ORPHAN_WATCH, {})
+
+
+#: Run first in an engine process (stdlib only: nothing else is imported yet): a daemon thread that sends
+#: the process SIGTERM once its parent, the caller, has gone (the process is then adopted: its parent pid
+#: changes), and SIGKILL to its process group (it and its workers) if it is still there 10 s later: a
+#: SIGTERM that comes while vLLM waits in a ZeroMQ poll (its start-up handshake) is lost there.
+ORPHAN_WATCH = """
+import os, signal, threading, time
+
+def _vlenvoys_watch(parent=os.getppid()):
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(10.0)
+    os.killpg(os.getpgid(0), signal.SIGKILL)
+
+threading.Thread(target=_vlenvoys_watch, name="vlenvoys-orphan-watch", daemon=True).start()
+"""
 
 
 if hasattr(os, "register_at_fork"):

@@ -18,7 +18,7 @@ from .attention import on_decode_step, scores
 from .errors import FUSED_ROUTING, GATED, NOT_ROUTED, PARALLEL, ROUTED, InvalidWrite, NoSuchBlock, SkipRefused
 from .routing import Chosen, routes_of
 from .routing import Routes as RoutesModule
-from .values import Derived, Experts, Flat, Heads, KeyValueHeads, Neurons, Pattern, Residual, Routes, Slot, summed, summed_output
+from .values import Derived, Experts, argument, unbatched, Flat, Heads, KeyValueHeads, Neurons, Pattern, Residual, Routes, Slot, summed, summed_output
 
 _PATTERN_READ_ONLY = (
     "vLLM's kernel computes the pattern and takes none; edit attention_queries or attention_keys "
@@ -204,7 +204,7 @@ class Layer(StandardEnvoy):
 def _skip(layer: Layer, hidden: torch.Tensor, output: Callable[[torch.Tensor], Any]) -> None:
     """Skip ``layer`` for this request, handing ``output(rows)`` on as what it returned."""
     # Wait for the block to be reached: only then is this step's batch known.
-    Mediator.value(f"{layer.path}.input")
+    inputs = Mediator.value(f"{layer.path}.input")
     mediator = Mediator.current(f"{layer.path}.skip")
     _, rows = mediator.batch_group
     total = mediator.interleaver.batcher.total
@@ -217,6 +217,12 @@ def _skip(layer: Layer, hidden: torch.Tensor, output: Callable[[torch.Tensor], A
     if not isinstance(hidden, torch.Tensor) or hidden.ndim != 3 or tuple(hidden.shape[:2]) != (1, rows):
         shape = list(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
         raise InvalidWrite(f"skip: expected the stream as [1, {rows}, hidden_size], got {shape}")
+    stream = argument(inputs, layer.STREAM) if isinstance(inputs, tuple) and len(inputs) == 2 else None
+    if isinstance(stream, torch.Tensor):
+        # The block's output goes on to the next blocks as a written stream does: checked as one (width, dtype,
+        # device, NaN or inf). Unchecked, a NaN stream reached the cached keys and values and every later plain
+        # request drew token 0 (found by fuzzing, #46).
+        hidden = unbatched(hidden, stream, "skip", batch=layer.BATCHED).reshape(1, *hidden.shape[-2:])
     Envoy.skip(layer, output(hidden if layer.BATCHED else hidden[0]))
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import builtins
 import re
 
-__all__ = ["DECODE_STEP", "FUSED_ROUTING", "GATED", "NOT_ROUTED", "PARALLEL", "ROUTED", "InvalidWrite", "NoSuchBlock", "ReadOnly", "SkipRefused", "UnknownArchitecture", "Unavailable"]
+__all__ = ["DECODE_STEP", "FUSED_ROUTING", "GATED", "NOT_ROUTED", "PARALLEL", "ROUTED", "InvalidWrite", "NoSuchBlock", "Preempted", "ReadOnly", "SkipRefused", "UnknownArchitecture", "Unavailable"]
 
 #: Scores and patterns are recomputed from one step's queries and keys; on a decode step the
 #: earlier keys are in vLLM's KV cache, which only its kernel reads.
@@ -81,7 +81,7 @@ def reraise(error: RuntimeError) -> None:
     message = rest.split("\n\nIntervention traceback:")[0]
     if name == "Unavailable":
         raise Unavailable.from_message(message) from error
-    simple = {cls.__name__: cls for cls in (InvalidWrite, NoSuchBlock, ReadOnly, SkipRefused)}
+    simple = {cls.__name__: cls for cls in (InvalidWrite, NoSuchBlock, Preempted, ReadOnly, SkipRefused)}
     if name in simple:
         raise simple[name](message) from error
     if "Expected all tensors to be on the same device" in text:  # torch's words, however nnsight wraps them
@@ -94,6 +94,10 @@ def reraise(error: RuntimeError) -> None:
     # A built-in exception raised in the block (ValueError, NameError, ...) comes
     # back as its own type too, so `except ValueError` works around a trace.
     builtin = getattr(builtins, name, None)
+    if builtin is RuntimeError and rest:
+        # torch's own error in a block (an in-place edit that cannot broadcast) came back as
+        # "RuntimeError: RuntimeError: output with shape ...": the class named twice (found by fuzzing, #46).
+        raise RuntimeError(rest) from error
     if isinstance(builtin, type) and issubclass(builtin, Exception) and builtin is not RuntimeError:
         try:
             rebuilt = builtin(rest)  # without the class name, which the traceback prints itself
@@ -136,6 +140,18 @@ class InvalidWrite(ValueError):
 
     The model keeps what it had, and the engine goes on serving every other
     request in the step.
+    """
+
+
+class Preempted(RuntimeError):
+    """A traced request (or one an installed edit runs on) that vLLM preempted and recomputed, refused.
+
+    Under key/value-cache pressure vLLM takes a running request's cache blocks for
+    others and later recomputes the request's tokens from the start (or from a
+    cached prefix) in new steps. A block would see those positions a second time
+    as extra steps of ``tracer.iter``, and the edits it made there earlier would
+    not be in the recomputed cache, so the request's block is ended with this
+    error instead of serving values that differ from an unpressured run.
     """
 
 

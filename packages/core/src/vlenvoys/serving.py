@@ -302,6 +302,11 @@ def rewritten(body: dict, hidden_size: int, num_layers: int, dtype: torch.dtype,
     xargs = body.get("vllm_xargs")
     if isinstance(xargs, dict) and KEY in xargs:
         raise SteeringError(f"vllm_xargs[{KEY!r}] is set by the server; steer with the request's 'steering' field", "vllm_xargs")
+    if isinstance(xargs, dict) and any(isinstance(key, str) and key.startswith("vlenvoys_collect") for key in xargs):
+        # Refused here, not only by `guard` on the way to the engine: there a streamed request had its 200 already,
+        # and got the refusal as an error event inside the stream (found by fuzzing, #46).
+        raise SteeringError("vllm_xargs' vlenvoys_collect keys are set by the server; capture with the 'capture' field",
+                            "vllm_xargs")
     if "steering" not in body:
         return None
     body = dict(body)

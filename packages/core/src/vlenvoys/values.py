@@ -12,6 +12,7 @@ model's own form when the block moves on.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from typing import Any, NewType
 
@@ -185,7 +186,7 @@ def unbatched(
         InvalidWrite: ``value`` is not a tensor, its shape or dtype differs
             from what was served, or it has NaN or infinite entries (with
             ``top_k``: NaN, ``+inf``, or a row with fewer than ``top_k``
-            finite entries).
+            finite entries), or entries beyond `WRITE_LIMIT`.
     """
     expected = served_shape(rows, head_dim, batch)
     if not isinstance(value, torch.Tensor):
@@ -201,14 +202,32 @@ def unbatched(
         raise InvalidWrite(f"{name}: expected a tensor on {rows.device}, got one on meta, which holds no data")
     if value.device != rows.device:
         value = value.to(rows.device)
-    if value.is_floating_point() and not bool(torch.isfinite(value).all()):
-        if top_k is None:
+    if value.is_floating_point() and value.numel():
+        # One reduction and one wait for the device for both checks below (NaN propagates through the max).
+        largest = float(value.abs().amax())
+        if not math.isfinite(largest):
+            if top_k is None:
+                raise InvalidWrite(
+                    f"{name}: the written value has NaN or infinite entries; they would reach the engine's "
+                    "key/value cache and spoil the logits of later requests"
+                )
+            check_masked(value, name, top_k)
+            largest = float(value.abs().nan_to_num(posinf=0.0).amax())  # past the -inf that mask (top_k)
+        # Finite but huge entries overflow the next product (a query-key dot, a norm's sum of squares, a residual
+        # add) to inf, and the NaN after it reached the cached keys and values as a written NaN does: keys of 3e38
+        # made every later plain request draw token 0 (found by fuzzing, #46). The bound `Steering` refuses past.
+        if largest > WRITE_LIMIT:
             raise InvalidWrite(
-                f"{name}: the written value has NaN or infinite entries; they would reach the engine's "
-                "key/value cache and spoil the logits of later requests"
+                f"{name}: the written value has entries up to {largest:.3g}, beyond {WRITE_LIMIT:.3g} (the "
+                "square root of float32's largest value): the next product or norm would overflow to inf, and the "
+                "NaN it makes would reach the engine's key/value cache and spoil the logits of later requests"
             )
-        check_masked(value, name, top_k)
     return value.reshape(rows.shape)
+
+
+#: The largest magnitude a written entry may have: the square root of float32's largest value, past which the next
+#: norm's sum of squares (in float32) or a query-key product overflows (as `vlenvoys.Steering` bounds a vector).
+WRITE_LIMIT = torch.finfo(torch.float32).max ** 0.5
 
 
 def check_masked(value: torch.Tensor, name: str, top_k: int) -> None:
@@ -355,6 +374,8 @@ def checked_tensor(name: str, value: Any, raw: torch.Tensor) -> torch.Tensor:
         raise InvalidWrite(f"{name}: expected a tensor of shape {list(raw.shape)}, got {type(value).__name__}")
     if value.shape != raw.shape:
         raise InvalidWrite(f"{name}: expected shape {list(raw.shape)}, got {list(value.shape)}")
+    if value.is_meta:  # torch's "Cannot copy out of meta tensor" named neither the value nor the device (#46)
+        raise InvalidWrite(f"{name}: expected a tensor on {raw.device}, got one on meta, which holds no data")
     return value.to(raw.device)
 
 

@@ -618,6 +618,7 @@ class StandardRunner:
         from ..stepping import carries_nnsight_work
 
         requests = self.nnsight_requests
+        refuse_recomputed(self, scheduler_output)  # before nnsight scopes its workers over the step
         if requests.requests or requests.templates or any(
             carries_nnsight_work(data.sampling_params) for data in scheduler_output.scheduled_new_reqs
         ):
@@ -683,6 +684,64 @@ class StandardRunner:
             # steering hooks must be in the forward by then, on every block (`Steerer`).
             if eligible(model) is None:
                 self.vlenvoys_steerer = Steerer(self, every_block=True)
+
+
+def refuse_recomputed(runner: Any, scheduler_output: Any) -> None:
+    """End, with `vlenvoys.Preempted`, the blocks of requests vLLM resumes after a preemption by recomputing them.
+
+    A preempted request comes back with its cache blocks gone and runs its
+    tokens again from position 0 (or from a cached prefix) in new steps.
+    nnsight hands such a step to the request's block as one more visit: a
+    ``tracer.iter[:]`` loop got extra steps of many rows (measured: 153 steps
+    for 150 tokens), and whatever the block wrote at the earlier positions is
+    not in the recomputed cache, so the values after it differ from an
+    unpressured run's. A block still running (a trace's, or an installed
+    edit's copy) is ended instead, its request's error naming why; a block that
+    finished before the preemption keeps its values (it sees nothing more).
+    `vlenvoys.collect`'s and `generate`'s hooks need no refusal: they skip rows
+    already read, and steer every recomputed position again.
+    """
+    cached = scheduler_output.scheduled_cached_reqs
+    resumed = getattr(cached, "resumed_req_ids", None)
+    requests = runner.nnsight_requests
+    if not resumed or not requests.requests:
+        return
+    from greenlet import GreenletExit, getcurrent
+    from nnsight.intervention.errors import capture_exception
+
+    from ..errors import Preempted
+
+    for index, request_id in enumerate(cached.req_ids):
+        tracked, state = requests.requests.get(request_id), runner.requests.get(request_id)
+        if request_id not in resumed or tracked is None or state is None:
+            continue
+        running = [
+            mediator for mediator in tracked.workers()
+            if mediator.exception is None and (mediator.alive or getattr(mediator, "caches", None))
+        ]
+        # Tokens fed before the preemption: the prompt and every sampled token but the last.
+        fed = state.num_prompt_tokens + max(len(state.output_token_ids) - 1, 0)
+        start = cached.num_computed_tokens[index]
+        if not running or start >= fed:
+            continue
+        error = Preempted(
+            f"vLLM preempted this request (its key/value cache went to other requests) and recomputes its {fed} "
+            f"tokens from position {start}: a block would see those positions again as extra steps, without its "
+            "earlier edits in the cache. Give the engine more key/value cache (kv_cache_memory_bytes, "
+            "gpu_memory_utilization) or run fewer requests at once (max_num_seqs, fewer invokes)"
+        )
+        for mediator in running:
+            if mediator.alive:  # unwound (its finally blocks run); GreenletExit passes any `except Exception`
+                mediator.worker.parent = getcurrent()
+                try:
+                    mediator.worker.throw(GreenletExit)
+                except BaseException:  # noqa: S110 - what the block raised on its way out: the request has its error
+                    pass
+            mediator.caches = []
+            # Erred as a block that raised: nnsight keeps its row, ends the request early, reports the error.
+            mediator.exception = error
+        if tracked.error is None:
+            tracked.error = capture_exception(error)
 
 
 def replays_graphs(runner: Any) -> bool:
