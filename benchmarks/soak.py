@@ -33,9 +33,10 @@ from the end of the middle round to the end of the last, over the second half of
 over 1,000 (an earlier soak, #46, saw the server grow by some 10 MB every round without levelling). The slope over
 those rounds is reported in MiB per 1,000 requests. Two bounded fillings are kept out of the verdict:
 
-- The capture arena's shared memory (`vlenvoys.handover`): rows are written into 64 MiB chunks front to back, so
-  the engine's RSS grows by what capturing requests wrote until a chunk is full and the next one recycled (about
-  8 MiB per 250 capturing requests here, up to two chunks). It counts in RSS, not in private memory, and is plotted.
+- The engines' shared memory (`vlenvoys.handover`): captured rows and a trace's saves are written into 64 MiB chunks
+  front to back, so an engine's RSS grows by what was written until a chunk is full and another one is reused
+  (about 8 MiB per 250 capturing requests here; with 4 MiB chunks a capturing soak used two, in turn); the client maps
+  the chunks its traces' saves are in, so its RSS grows alike. Shared pages count in RSS, not in private memory.
 - oneDNN's primitive cache in the CPU engine (vLLM's matrix products): every step of a new shape (tokens in the
   batch) adds primitives, up to 1,024. Capturing requests compute their whole prompts (a cache salt of their own),
   so a soak meets many shapes: measured in the engine's worker (glibc's ``mallinfo2``) over 4,000 inline capturing
