@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -62,28 +63,13 @@ def started_server(tmp_path_factory):
         # On a GPU, beside the session's engine: a share as small as the test engines' (vlenvoys.oracle.engine).
         *(["--gpu-memory-utilization", "0.08", "--kv-cache-memory-bytes", str(1 << 30)] if torch.cuda.is_available() else []),
     ]
+    # oneDNN's primitive cache off in the server's engine (the CPU's matrix products): it takes entries for every
+    # new step shape, up to 1,024, whose memory would hide a leak from test_llama_soak.py (benchmarks/soak.py).
+    # Set only while the server starts, whose processes copy the environment: later engines keep the default.
     with contextlib.ExitStack() as stack:
-        # oneDNN's primitive cache off in the server's engine (the CPU's matrix products): it takes entries for every
-        # new step shape, up to 1,024, whose memory would hide a leak from test_llama_soak.py (benchmarks/soak.py).
-        # Set only while the server starts, whose processes copy the environment: later engines keep the default.
-        with environment(ONEDNN_PRIMITIVE_CACHE_CAPACITY="0"):
+        with mock.patch.dict(os.environ, {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0"}):
             started = stack.enter_context(testing.server(path, folder / "server.log", *arguments))
         yield {**started, "model": "tiny", "path": path}
-
-
-@contextlib.contextmanager
-def environment(**variables: str):
-    """``os.environ`` with ``variables`` set for the body, as it was after."""
-    saved = {name: os.environ.get(name) for name in variables}
-    os.environ.update(variables)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 @pytest.fixture(scope="module")
