@@ -31,9 +31,10 @@ from pathlib import Path
 import psutil
 import torch
 import vlenvoys
-from vlenvoys.collect import collect
 
 # This file's own folder is on the path when it runs as a script (`python benchmarks/bench.py`).
+import workloads
+from vlenvoys.collect import collect
 from workloads import median_time, prompts
 
 
@@ -424,14 +425,7 @@ def ratio(ours: float, base: float, paired: float | None = None) -> str:
 
 def checkout() -> str:
     """The commit the benchmarked code was installed from (with "+changes" for uncommitted changes to it)."""
-    import subprocess
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
-
-    commit = git("rev-parse", "--short", "HEAD") or "unknown commit"
-    code = ("packages", "benchmarks/bench.py", "benchmarks/workloads.py")
-    return commit + ("+changes" if git("status", "--porcelain", "--untracked-files=no", "--", *code) else "")
+    return workloads.checkout(("packages", "benchmarks/bench.py", "benchmarks/workloads.py"))
 
 
 def write(out: Path, rows) -> None:

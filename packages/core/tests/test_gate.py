@@ -2,26 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from vlenvoys_testing import script
 
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def gate_module():
-    spec = importlib.util.spec_from_file_location("vlenvoys_gate", ROOT / "benchmarks" / "gate.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-gate = gate_module()
+gate = script(ROOT / "benchmarks" / "gate.py")
 
 
 def test_a_rows_ratio_is_the_median_of_its_rounds_ratios_against_the_baseline_runs_beside_it():
