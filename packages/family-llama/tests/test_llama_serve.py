@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+from unittest import mock
 
 import pytest
 import torch
@@ -61,7 +63,12 @@ def started_server(tmp_path_factory):
         # On a GPU, beside the session's engine: a share as small as the test engines' (vlenvoys.oracle.engine).
         *(["--gpu-memory-utilization", "0.08", "--kv-cache-memory-bytes", str(1 << 30)] if torch.cuda.is_available() else []),
     ]
-    with testing.server(path, folder / "server.log", *arguments) as started:
+    # oneDNN's primitive cache off in the server's engine (the CPU's matrix products): it takes entries for every
+    # new step shape, up to 1,024, whose memory would hide a leak from test_llama_soak.py (benchmarks/soak.py).
+    # Set only while the server starts, whose processes copy the environment: later engines keep the default.
+    with contextlib.ExitStack() as stack:
+        with mock.patch.dict(os.environ, {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0"}):
+            started = stack.enter_context(testing.server(path, folder / "server.log", *arguments))
         yield {**started, "model": "tiny", "path": path}
 
 
