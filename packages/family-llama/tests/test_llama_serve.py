@@ -651,6 +651,73 @@ def test_a_capture_is_fetched_once_and_an_unknown_id_is_a_404(server, client):
     assert plain.usage.completion_tokens == 2 and "capture" not in (plain.model_extra or {})
 
 
+def test_several_captures_are_fetched_in_one_request(server, client, prompts):
+    """Raw HTTP: ``GET /v1/captures?ids=a,b,...`` answers each held capture's tensors as ``{id}/{value}``, bit for
+    bit the inline values of the same request, and names the ids it does not hold, and why, in its metadata."""
+    import json
+    import struct
+
+    import httpx
+    from safetensors.torch import load
+    from vlenvoys.capturing import FETCH_TOGETHER, decode
+
+    capture = [{"value": "layer_output", "layers": [0, 2]}, {"value": "mlp_output", "layers": 1, "positions": "last"}]
+    held = [captured(client, server, ids, capture, "fetch").model_extra["capture"] for ids in prompts[:2]]
+    inline = [captured(client, server, ids, capture).model_extra["capture"] for ids in prompts[:2]]
+    names = [entries[0]["id"] for entries in held]
+    url, headers = f"{server['url']}/v1/captures", {"Authorization": f"Bearer {KEY}"}
+    assert httpx.get(url, params={"ids": ",".join(names)}, timeout=60).status_code == 401, "behind --api-key"
+    answer = httpx.get(url, params={"ids": ",".join([*names, "0123abcd"])}, headers=headers, timeout=60)
+    assert answer.status_code == 200 and answer.headers["content-type"] == "application/octet-stream", answer.text
+    tensors = load(answer.content)
+    assert sorted(tensors) == sorted(f"{name}/{value}" for name in names for value in ("layer_output", "mlp_output"))
+    for name, entries in zip(names, inline, strict=True):
+        for entry in entries:
+            got, want = tensors[f"{name}/{entry['value']}"], decode(entry)
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (name, entry["value"])
+    (size,) = struct.unpack("<Q", answer.content[:8])
+    gone = json.loads(json.loads(answer.content[8 : 8 + size])["__metadata__"]["gone"])
+    assert list(gone) == ["0123abcd"] and "never held here" in gone["0123abcd"]
+    again = httpx.get(url, params={"ids": names[0]}, headers=headers, timeout=60)
+    assert again.status_code == 200 and load(again.content) == {}, "a capture is served once"
+    assert "fetched already" in json.loads(json.loads(again.content[8 : 8 + struct.unpack("<Q", again.content[:8])[0]])[
+        "__metadata__"]["gone"])[names[0]]
+    for ids in ("", ",".join(["0123abcd"] * (FETCH_TOGETHER + 1))):
+        refused = httpx.get(url, params={"ids": ids}, headers=headers, timeout=60)
+        assert refused.status_code == 400 and "capture ids, comma-separated" in refused.json()["error"]["message"]
+
+
+def test_concurrent_fetches_on_one_client_are_gathered(server, client, prompts):
+    """24 responses fetched at once with `fetch_async` on one ``httpx.AsyncClient``: a few requests, not 24 (one
+    round trip each cost served capture more than its values, #45), and each response gets its own values."""
+    import httpx
+    from vlenvoys.capturing import CaptureGone, fetch, fetch_async
+
+    capture = [{"value": "layer_output", "layers": [0, 2]}, {"value": "mlp_output", "layers": 1, "positions": "all"}]
+    firsts = prompts[:4]
+    alone = [fetch(server["url"], captured(client, server, ids, capture, "fetch"), api_key=KEY) for ids in firsts]
+    # Each capture holds a few KiB: the 24 fit the server's hold of `HELD_BYTES`.
+    answers = [captured(client, server, firsts[number % 4], capture, "fetch") for number in range(24)]
+    requests = []
+
+    async def note(request):
+        requests.append(request)
+
+    async def all_at_once():
+        async with httpx.AsyncClient(timeout=60, event_hooks={"request": [note]}) as http:
+            got = await asyncio.gather(*(fetch_async(server["url"], answer, api_key=KEY, client=http)
+                                         for answer in answers))
+            with pytest.raises(CaptureGone, match="fetched already"):  # each id's own reason, through a gathered fetch
+                await fetch_async(server["url"], answers[0], api_key=KEY, client=http)
+            return got
+
+    for number, got in enumerate(asyncio.run(all_at_once())):
+        for value, tensor, expected in zip(("layer_output", "mlp_output"), got, alone[number % 4], strict=True):
+            assert_same_values(tensor, expected, f"response {number}: {value}", exact_here())
+    assert 2 <= len(requests) <= 5, [str(request.url) for request in requests]
+    assert all(request.url.path == "/v1/captures" and "ids" in request.url.params for request in requests)
+
+
 def test_an_unfetched_capture_expires_after_the_ttl(server, client):
     import time
 

@@ -37,8 +37,12 @@ and ``--capture-held-bytes`` of values in all (`HELD_BYTES`): a new capture
 drops the oldest unfetched ones it needs room for; one larger than that alone
 is a 400 (its completion not returned). A fetch of a capture not held is a
 404 that says why: fetched already, expired, dropped for room, or never held
-here. In Python, `fetch` (`fetch_async` under asyncio) gives a response's
-values, fetched or inline, as the tensors `decode` gives. Any other
+here. ``GET /v1/captures?ids=ID,ID,...`` (up to `FETCH_TOGETHER` ids) fetches
+several in one safetensors file: each tensor named ``{id}/{value}``, and the
+file's metadata ``gone`` a JSON object of the ids not held and why. In Python,
+`fetch` (`fetch_async` under asyncio, which gathers concurrent fetches on one
+client into such requests) gives a response's values, fetched or inline, as
+the tensors `decode` gives. Any other
 ``capture_transport`` is a 400 before the request reaches the engine.
 
 ``positions`` counts the sequence as steering does: ``"prompt"`` (default; the
@@ -210,11 +214,11 @@ def _amount(size: int) -> str:
     return f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size:,} bytes"
 
 
-def as_file(tensors: dict[str, torch.Tensor]) -> bytes:
-    """``tensors`` as the bytes of a safetensors file (what a fetch of a capture answers)."""
+def as_file(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
+    """``tensors`` as the bytes of a safetensors file (what a fetch of a capture answers), with ``metadata``."""
     from safetensors.torch import save
 
-    return save(tensors)
+    return save(tensors, metadata)
 
 
 class CaptureError(SteeringError):

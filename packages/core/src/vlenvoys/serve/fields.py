@@ -5,12 +5,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["CAPTURES_PATH", "GENERATING", "OWN_FIELDS", "VECTORS_PATH", "SteeringError", "field_entries"]
+__all__ = ["CAPTURES_PATH", "FETCH_TOGETHER", "GENERATING", "OWN_FIELDS", "VECTORS_PATH", "SteeringError", "field_entries"]
 
 #: Where named vectors are listed (GET) and registered (POST).
 VECTORS_PATH = "/v1/steering/vectors"
-#: Held captures are fetched at ``GET CAPTURES_PATH/{id}`` (`vlenvoys.capturing`).
+#: Held captures are fetched at ``GET CAPTURES_PATH/{id}``, or several at ``GET CAPTURES_PATH?ids=a,b`` (`vlenvoys.capturing`).
 CAPTURES_PATH = "/v1/captures"
+#: The most captures one fetch asks for (``GET CAPTURES_PATH?ids=...``: its URL stays under 5 KB).
+FETCH_TOGETHER = 128
 #: Request paths whose ``steering`` field is served.
 GENERATING = ("/v1/completions", "/v1/chat/completions")
 

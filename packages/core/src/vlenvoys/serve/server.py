@@ -7,7 +7,8 @@ started in this process with the worker `vlenvoys.load` would use
 
 A request may also capture standard values of its prompt (a ``capture``
 field, returned in the response's ``capture``, or held for one binary fetch at
-``GET /v1/captures/{id}`` with ``"capture_transport": "fetch"``): see
+``GET /v1/captures/{id}``, or with others at ``GET /v1/captures?ids=a,b``, with
+``"capture_transport": "fetch"``): see
 `vlenvoys.serve.capture`.
 
 A request's ``steering`` is `vlenvoys.serve.steering`'s, its ``capture`` `vlenvoys.serve.capture`'s.
@@ -20,6 +21,7 @@ import json
 import sys
 from collections.abc import Sequence
 from typing import Any
+from urllib.parse import parse_qs
 
 import torch
 
@@ -30,7 +32,7 @@ from ..wire.requests import COLLECT_ID_KEY, COLLECT_KEY, STEER_KEY
 from ..wire.shm import engine_named, sweep
 from ..wire.steering import salt_of
 from .capture import HELD_BYTES, HELD_SECONDS, PENDING, CaptureGone, Captures, Held, as_file, transport_of
-from .fields import CAPTURES_PATH, GENERATING, VECTORS_PATH, SteeringError
+from .fields import CAPTURES_PATH, FETCH_TOGETHER, GENERATING, VECTORS_PATH, SteeringError
 from .steering import VECTORS, rewritten
 
 __all__ = ["MIDDLEWARE", "SteeringMiddleware", "anyio_classes_first", "guard", "main", "parser", "prepare"]
@@ -135,7 +137,7 @@ class SteeringMiddleware:
             return await self.app(scope, receive, send)
         self._start(scope["app"])  # before any request reaches the engine, whatever its path
         path = scope["path"].removeprefix(scope.get("root_path", ""))
-        fetching = path.startswith(CAPTURES_PATH + "/")
+        fetching = path.startswith(CAPTURES_PATH + "/") or path == CAPTURES_PATH
         if scope.get("method") not in ("POST", "GET") or not path.startswith("/v1/") or (
             scope["method"] == "GET" and path != VECTORS_PATH and not fetching
         ):
@@ -145,6 +147,8 @@ class SteeringMiddleware:
         if path == VECTORS_PATH and scope["method"] == "GET":
             listed = [{"name": name, "norm": float(vector.norm())} for name, vector in sorted(self.vectors.named.items())]
             return await _json(200, {"object": "list", "data": listed, "hidden_size": self.shape[0]})(scope, receive, send)
+        if fetching and scope["method"] == "GET" and path == CAPTURES_PATH:
+            return await (await self._fetched_together(scope))(scope, receive, send)
         if fetching and scope["method"] == "GET":
             return await (await self._fetched(path.removeprefix(CAPTURES_PATH + "/")))(scope, receive, send)
         body, disconnected = b"", False
@@ -234,6 +238,30 @@ class SteeringMiddleware:
             return _error(str(error), "id", 404)
         # Serialized off the event loop: a capture may be tens of MiB, and other requests stream meanwhile.
         return Response(await asyncio.to_thread(as_file, tensors), media_type="application/octet-stream")
+
+    async def _fetched_together(self, scope: dict) -> Any:
+        """Several held captures in one safetensors file (``GET CAPTURES_PATH?ids=a,b``): each tensor named
+        ``{id}/{value}``, and the metadata's ``gone`` a JSON object of the ids not held and why.
+
+        One request for many: each fetch is a round trip through the HTTP stack, which cost served
+        capture more than its values did (`vlenvoys.serve.client.fetch_async` gathers concurrent fetches).
+        """
+        from starlette.responses import Response
+
+        ids = [name for field in parse_qs(scope.get("query_string", b"").decode("latin-1")).get("ids", [])
+               for name in field.split(",") if name]
+        if not ids or len(ids) > FETCH_TOGETHER:
+            return _error(f"ids: expected 1 to {FETCH_TOGETHER} capture ids, comma-separated, got {len(ids)}", "ids")
+        tensors, gone = {}, {}
+        for name in dict.fromkeys(ids):
+            try:
+                held = self.captures.held.take(name)
+            except CaptureGone as error:
+                gone[name] = str(error)
+                continue
+            tensors.update({f"{name}/{value}": tensor for value, tensor in held.items()})
+        body = await asyncio.to_thread(as_file, tensors, {"gone": json.dumps(gone)})
+        return Response(body, media_type="application/octet-stream")
 
     def _register(self, body: bytes) -> Any:
         try:
