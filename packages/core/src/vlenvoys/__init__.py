@@ -68,8 +68,10 @@ __all__ = [
     "Unavailable",
     "UnknownArchitecture",
     "__version__",
+    "activations",
     "argument",
     "batched",
+    "capturing",
     "collect",
     "families",
     "generate",
@@ -90,3 +92,8 @@ from .serve.server import anyio_classes_first as _anyio_classes_first  # noqa: E
 
 _anyio_classes_first()
 
+# The two modules the README has users reach from the package (#49): ``import vlenvoys`` then
+# ``vlenvoys.activations.collect_dataset(...)`` or ``vlenvoys.capturing.fetch(...)``. Both are light (a corpus's
+# optional package, datasets, is imported where a source needs it), and imported after the classes above,
+# as anything that may reach anyio.
+from . import activations, capturing  # noqa: E402
