@@ -108,10 +108,7 @@ def patterns(
     """Draw every head's attention pattern of one block for a prompt (query token x key token)."""
     import math
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
     from rich.console import Console
 
     console = Console()
@@ -133,7 +130,9 @@ def patterns(
     columns = min(heads, 4)
     rows = math.ceil(heads / columns)
     size = max(3.0, 0.35 * len(tokens))
-    figure, axes = plt.subplots(rows, columns, figsize=(size * columns, size * rows), squeeze=False)
+    # matplotlib's object API: no backend switched, no pyplot state (as `Lens.figure`).
+    figure = Figure(figsize=(size * columns, size * rows))
+    axes = figure.subplots(rows, columns, squeeze=False)
     for head, axis in enumerate(axes.flat):
         if head >= heads:
             axis.axis("off")
@@ -145,7 +144,6 @@ def patterns(
     figure.suptitle(f"layer {layer} attention: query (rows) attends to key (columns)")
     figure.tight_layout()
     figure.savefig(out, dpi=110)
-    plt.close(figure)
     console.print(f"{heads} heads of layer {layer} saved to {out}")
 
 
