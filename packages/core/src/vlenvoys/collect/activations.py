@@ -1046,15 +1046,22 @@ class Activations:
         self,
         batch_size: int,
         *,
-        keys: Sequence[str] | None = None,
+        keys: str | Sequence[str] | None = None,
+        extra_keys: str | Sequence[str] = (),
         shuffle: bool = False,
         seed: int = 0,
         buffer_shards: int = 4,
         drop_last: bool = False,
     ) -> Iterator[dict[str, torch.Tensor]]:
-        """Rows in batches: ``{key: [batch_size, ...]}`` for ``keys`` (default: every value) and ``token_ids``.
+        """Rows in batches: ``{key: [batch_size, ...]}`` for the values, ``token_ids`` and any ``extra_keys``.
 
-        ``keys`` may also name each row's ``window`` (int64) and ``position`` (int32, in its window).
+        ``keys`` chooses which values each batch holds, *replacing* the
+        default (every value, the `keys` property): ``keys=["layer_output.5"]`` gives that
+        value and ``token_ids``. ``extra_keys`` *adds* tensors beside the
+        values (the default ones, or those ``keys`` chose): each row's
+        ``window`` (int64) and ``position`` (int32, in its window), typically,
+        as ``batches(64, extra_keys=["window", "position"])``. ``token_ids``
+        is always there.
 
         In order, shard after shard, without ``shuffle``; with it, the shards
         in a random order and the rows of ``buffer_shards`` shards at a time
@@ -1062,20 +1069,27 @@ class Activations:
         The last batch is shorter unless ``drop_last``.
 
         Raises:
-            ValueError: ``batch_size`` or ``buffer_shards`` not a positive int.
-            TypeError: ``keys`` not a name or a list of names, ``seed`` not an int.
+            ValueError: ``batch_size`` or ``buffer_shards`` not a positive int, or ``keys`` naming no value
+                (``keys=["window"]`` would drop every value: that is ``extra_keys=["window"]``).
+            TypeError: ``keys`` or ``extra_keys`` not a name or a list of names, ``seed`` not an int.
             KeyError: a key the dataset does not hold.
         """
         for label, number in (("batch_size", batch_size), ("buffer_shards", buffer_shards)):
             if not _is_int(number) or number < 1:
                 raise ValueError(f"{label} must be a positive int, got {number!r}")
-        keys = _names(keys, "keys") if keys is not None else self.keys
+        chosen = _names(keys, "keys") if keys is not None else self.keys
+        extra = _names(extra_keys, "extra_keys")
         if not _is_int(seed):
             raise TypeError(f"seed must be an int, got {seed!r}")
-        unknown = [key for key in keys if key not in self.keys and key not in ROW_KEYS]
+        unknown = [key for key in [*chosen, *extra] if key not in self.keys and key not in ROW_KEYS]
         if unknown:
             raise KeyError(f"{unknown} not in this dataset; it holds {self.keys} and each row's {', '.join(ROW_KEYS)}")
-        wanted = list(dict.fromkeys([*keys, "token_ids"]))
+        if not any(key in self.keys for key in chosen):
+            raise ValueError(
+                f"keys={chosen!r} names no value: keys replaces the default (every value, {self.keys}) rather than "
+                f"adding to it; to add {chosen!r} beside the values, pass extra_keys={chosen!r}"
+            )
+        wanted = list(dict.fromkeys([*chosen, *extra, "token_ids"]))
         generator = torch.Generator().manual_seed(seed)
         order = list(range(len(self.shards)))
         if shuffle:
