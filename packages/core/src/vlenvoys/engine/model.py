@@ -8,6 +8,9 @@ hooks), and every worker builds the same tree over its loaded module
 from __future__ import annotations
 
 import contextlib
+import difflib
+import inspect
+import sys
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -21,6 +24,7 @@ from ..values import routing
 from ..values.envoys import block_index
 from ..values.family import Architecture, InstalledFamily
 from ..values.layouts import Checked, Derived, Residual, argument, checked_tensor
+from ..values.names import OWNERS, hint
 from ..values.parallel import gather_vocab
 from ..wire.shm import engine_named
 from .processes import (
@@ -34,6 +38,7 @@ from .requests import salted
 from .saves import merged
 from .sources import install
 from .stepping import StandardLLMEngine, abandoned_on_error
+from .traces import Generation, Trace
 
 __all__ = ["LayerValues", "StandardizedVLLM", "family_of", "on_transformers_backend"]
 
@@ -64,6 +69,20 @@ class StandardizedVLLM(VLLM):
             kwargs["rename"] = {**architecture.rename, **(kwargs.get("rename") or {})}
         self.architecture = architecture
         super().__init__(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        """nnsight's lookup; a miss close to one of the model's names (``model.layers_ouput``) says which, and a
+        block's standard value asked of the model (``model.layer_output``) says where it is served."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError as error:
+            if name.startswith("_"):
+                raise
+            close = [] if name in OWNERS else difflib.get_close_matches(name, _MODEL_NAMES, n=1)
+            told = f"did you mean {close[0]!r}?" if close else hint(name, None)
+            if told is None:
+                raise
+            raise AttributeError(f"{error}; {told}") from None
 
     def _load_meta(self, repo_id: str, **kwargs: Any) -> Any:
         with _meta_build():
@@ -155,6 +174,20 @@ class StandardizedVLLM(VLLM):
         return ([salted(prompt, "trace") for prompt in prompts], params, lora_requests), kwargs
 
     def trace(self, *inputs: Any, **kwargs: Any) -> Any:
+        """nnsight's trace: ``with model.trace(prompt, **sampling):`` reads and edits the values of one request.
+
+        One forward pass, as on transformers and nnterp: a request that names
+        no length generates one token (``max_tokens=1``, vLLM's default would
+        be 16). Name one to generate more (``max_tokens`` or ``min_tokens``,
+        on the trace or an invoke; nnsight's ``max_new_tokens`` on the trace); a
+        trace that steps through its generation (``tracer.iter[...]``,
+        ``tracer.all()``) and ``with model.generate(...)`` keep vLLM's default
+        length (16), as before (`vlenvoys.engine.traces`). Other keyword
+        arguments are vLLM ``SamplingParams`` fields (``temperature``, ...).
+
+        Reading a block's raw ``.output`` warns once per place
+        (`vlenvoys.RawOutputWarning`): the residual stream is ``.layer_output``.
+        """
         self._check_running()
         if self.cuda_graphs:
             raise NotImplementedError(
@@ -162,6 +195,9 @@ class StandardizedVLLM(VLLM):
                 "a trace's reads and edits would not run: it serves vlenvoys.generate's steering and "
                 "vlenvoys.collect; trace on an engine loaded without cuda_graphs"
             )
+        # nnsight's `generate` opens its block through this method: a generation keeps vLLM's length.
+        generating = sys._getframe(1).f_code is _NNSIGHT_GENERATE
+        kwargs.setdefault("tracer_cls", Generation if generating else Trace)
         return super().trace(*inputs, **kwargs)
 
     # Not `generate`: nnsight tells `with model.generate(...)` from a plain call by
@@ -501,6 +537,17 @@ def _meta_build() -> Iterator[None]:
     finally:
         for owner, name, original in saved:
             setattr(owner, name, original)
+
+
+#: The code of nnsight's ``VLLM.generate``, whose ``with`` block is a trace opened by it (`StandardizedVLLM.trace`).
+_NNSIGHT_GENERATE = inspect.unwrap(VLLM.generate).__code__
+
+
+#: The names a user reaches on the model (nnterp's accessors and helpers, the standard modules), for `__getattr__`'s hint.
+_MODEL_NAMES = sorted(
+    {name for name in vars(StandardizedVLLM) if not name.startswith("_")}
+    | {"layers", "embed_tokens", "ln_final", "lm_head", "trace", "generate", "edit", "tokenizer"}
+)
 
 
 class LayerValues:

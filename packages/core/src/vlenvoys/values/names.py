@@ -6,7 +6,9 @@ activation datasets, the CLI, a served request's ``capture`` and ``steering``).
 
 from __future__ import annotations
 
-__all__ = ["KINDS", "ORDER", "OWNERS", "VALUES", "Read", "envoy_of"]
+import difflib
+
+__all__ = ["KINDS", "ORDER", "OWNERS", "VALUES", "Read", "envoy_of", "hint", "where"]
 
 #: The values of a block, as (owner, name), in the order the forward reaches them
 #: (nnsight needs that order within one invoke). The owner is the envoy that serves
@@ -46,3 +48,29 @@ Read = tuple[int, str, str]
 def envoy_of(block: object, owner: str) -> object:
     """The envoy of ``block`` (a block's envoy) that serves ``owner``'s values: the block, or its child."""
     return block if owner == "layer" else getattr(block, owner)
+
+
+def hint(name: str, owner: str | None) -> str | None:
+    """What to tell a user who asked an envoy for ``name``, which it does not have; None when nothing fits.
+
+    ``owner`` is the owner whose values the envoy serves (as in `VALUES`), or
+    None for one that serves none. A standard value of another envoy names
+    where it is served (``'mlp_output' is served by the block's mlp: ...``); a
+    name close to a standard one (``layer_ouput``) is answered with it (``did
+    you mean 'layer_output'?``, difflib's closest match).
+    """
+    if name in OWNERS:
+        return None if OWNERS[name] == owner else where(name)
+    close = difflib.get_close_matches(name, list(OWNERS), n=1)
+    if not close:
+        return None
+    found = close[0]
+    return f"did you mean {found!r}?" if OWNERS[found] == owner else f"did you mean {found!r}? {where(found)}"
+
+
+def where(value: str) -> str:
+    """Where a standard value is read, as a sentence: ``'mlp_output' is served by the block's mlp: model.layers[i].mlp.mlp_output``."""
+    owner = OWNERS[value]
+    if owner == "layer":
+        return f"{value!r} is served by the block: model.layers[i].{value}"
+    return f"{value!r} is served by the block's {owner}: model.layers[i].{owner}.{value}"
