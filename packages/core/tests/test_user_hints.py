@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 import pytest
@@ -34,6 +35,30 @@ def test_a_misspelt_value_name_names_the_standard_name_it_is_close_to():
     assert "did you mean" not in str(raised.value)
     assert not hasattr(block, "_persistent_id")
     assert block.mlp is not None  # children still resolve
+
+
+def test_vllms_info_log_is_quiet_unless_asked_and_the_users_level_is_kept(monkeypatch):
+    import os
+
+    from vlenvoys.engine import logs
+
+    logger = logging.getLogger("vllm")
+    monkeypatch.setattr(logger, "level", logger.level)  # each restored afterwards
+    monkeypatch.setattr(logs, "_set", None)
+    for name in ("VLLM_LOGGING_LEVEL", "VLLM_CONFIGURE_LOGGING"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    vllm_logging = logs.vllm_logging
+    vllm_logging()  # quiet at first
+    assert logger.level == logging.WARNING
+    assert os.environ["VLLM_LOGGING_LEVEL"] == "WARNING", "the engine's processes inherit it"
+    vllm_logging(verbose=True)  # a later load(verbose=True) undoes what an earlier one set
+    assert logger.level == logging.INFO and os.environ["VLLM_LOGGING_LEVEL"] == "INFO"
+    vllm_logging()  # load()'s default keeps the choice made before (the command's --verbose)
+    assert logger.level == logging.INFO and os.environ["VLLM_LOGGING_LEVEL"] == "INFO"
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "debug")  # the user's own choice wins either way
+    vllm_logging(verbose=False)
+    assert logger.level == logging.DEBUG and os.environ["VLLM_LOGGING_LEVEL"] == "debug"
 
 
 def test_raw_output_warning_is_a_user_warning_of_its_own():

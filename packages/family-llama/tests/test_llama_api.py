@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import warnings
 
 import pytest
@@ -431,3 +432,35 @@ def test_a_misspelt_value_name_says_the_standard_name_it_is_close_to(subject):
         with model.trace(prompt, temperature=0.0):
             model.layers[0].mlp.mlp_neuron.save()
     assert torch.equal(logits_of(model, prompt), logits_of(model, prompt))
+
+
+@on_tiny_llama
+def test_the_python_api_draws_no_progress_bar_nor_logs_vllms_info_unless_asked(subject, capfd):
+    """Traces, collect and generate print nothing of their own by default; progress=True draws a bar (#49)."""
+    from vllm import SamplingParams
+
+    model, prompt = subject.model, subject.prompts[0]
+    assert logging.getLogger("vllm").getEffectiveLevel() == logging.WARNING, "load quiets vLLM's INFO log"
+    capfd.readouterr()
+    with model.trace(prompt, temperature=0.0):
+        model.logits.save()
+    vlenvoys.collect(model, [prompt], "layer_output", 0)
+    vlenvoys.generate(model, [prompt], SamplingParams(max_tokens=2))
+    model.generate("The sun", max_tokens=2)  # nnsight's plain run, outside a block
+    quiet = capfd.readouterr()
+    assert "%|" not in quiet.err + quiet.out, quiet.err
+    with model.trace(prompt, temperature=0.0, progress=True):
+        model.logits.save()
+    assert "Processed prompts" in capfd.readouterr().err
+    vlenvoys.collect(model, [prompt, prompt], "layer_output", 0, progress=True)
+    assert "2/2" in capfd.readouterr().err
+    vlenvoys.generate(model, [prompt], SamplingParams(max_tokens=2), progress=True)
+    assert "Processed prompts" in capfd.readouterr().err
+    # The earlier forms still work, with a DeprecationWarning.
+    counted = []
+    with pytest.warns(DeprecationWarning, match="progress=True"):
+        vlenvoys.collect(model, [prompt, prompt], "layer_output", 0, progress=counted.append)
+    assert sum(counted) == 2
+    with pytest.warns(DeprecationWarning, match="progress="):
+        vlenvoys.generate(model, [prompt], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert "%|" not in capfd.readouterr().err

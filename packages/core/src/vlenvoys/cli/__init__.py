@@ -16,6 +16,7 @@ import typer
 from ..collect import activations
 from ..collect.prompts import collect as collect_values
 from ..engine import load, shutdown
+from ..engine.logs import vllm_logging
 from ..errors import InvalidWrite, ReadOnly, SkipRefused, Unavailable, UnknownArchitecture
 from ..serve import server
 from ..values.envoys import block_index
@@ -230,7 +231,6 @@ def check_served(model: str, values: list[str]) -> None:
 
 def _collect_prompts(prompts: Path, model: str, named: str, value: str, chosen: list[int], out: Path, batch: int | None) -> None:
     from rich.console import Console
-    from tqdm import tqdm
 
     texts = [line.strip() for line in prompts.read_text().splitlines() if line.strip()]
     if not texts:
@@ -240,8 +240,7 @@ def _collect_prompts(prompts: Path, model: str, named: str, value: str, chosen: 
     with console.status("starting vLLM (about 30 s on a CPU)"):
         loaded = load(model)
     try:
-        with tqdm(total=len(texts), desc="collecting", unit="prompt") as bar:
-            collected = collect_values(loaded, texts, value, chosen, batch_size=batch, progress=bar.update)
+        collected = collect_values(loaded, texts, value, chosen, batch_size=batch, progress=True)
     finally:
         shutdown(loaded)
     # Keys are VALUE.LAYER; each prompt's tensor is saved without its batch axis.
@@ -355,6 +354,5 @@ def main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show vLL
         for handler in logging.getLogger("vllm").handlers:
             if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
                 handler.setStream(sys.stderr)
-    if not verbose:
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        logging.getLogger("vllm").setLevel(logging.WARNING)
+    # vLLM's INFO lines only with --verbose, set where `load` sets them (its default keeps this choice).
+    vllm_logging(verbose)

@@ -60,7 +60,7 @@ from ..engine.handover import InThread, Rows, read_rows
 from ..engine.requests import check_engine
 from ..values.support import support
 from ..wire.shm import row_bytes
-from .prompts import checked_reads, scheduled_at_once, stream
+from .prompts import checked_reads, progress_bar, scheduled_at_once, stream
 
 __all__ = ["POSITIONS", "Activations", "Plan", "collect_dataset", "documents", "windows"]
 
@@ -763,7 +763,8 @@ def collect_dataset(
         shard_tokens: Tokens of windows per shard (rounded down to whole windows, at least one).
         max_tokens: Stop after this many tokens of windows (rounded down to whole windows).
         batch_size: Windows in flight on the engine (default: its ``max_num_seqs``).
-        progress: Show a progress bar (tokens, tokens/s, and the time left where the total is known).
+        progress: Show a progress bar (tokens, tokens/s, and the time left where the total is known), as
+            `vlenvoys.collect`'s ``progress=True`` (on by default here: a corpus takes long).
 
     Returns:
         The folder's `Activations`.
@@ -972,11 +973,7 @@ def _count_windows(source: Any, field: str, tokenizer: Any, context_length: int,
 
 
 def _progress_bar(shown: bool, total: int | None) -> Any:
-    if not shown:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, unit="tok", unit_scale=True, desc="collecting", smoothing=0.1)
+    return progress_bar(total, "tok", unit_scale=True, smoothing=0.1) if shown else None
 
 
 class Activations:

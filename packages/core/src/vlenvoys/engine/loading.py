@@ -11,6 +11,7 @@ from typing import Any
 
 from ..values.family import resolve_checkpoint
 from ..weights import smollm2_path
+from .logs import vllm_logging
 from .model import StandardizedVLLM
 
 __all__ = ["CPU_KV_CACHE_BYTES", "TRITON_F32", "cpu_ranks", "engine_defaults", "float32_kernels", "graph_defaults", "load"]
@@ -20,7 +21,9 @@ __all__ = ["CPU_KV_CACHE_BYTES", "TRITON_F32", "cpu_ranks", "engine_defaults", "
 CPU_KV_CACHE_BYTES = 1 << 30
 
 
-def load(model: str | os.PathLike | None = None, *, cuda_graphs: bool = False, **engine_kwargs: Any) -> StandardizedVLLM:
+def load(
+    model: str | os.PathLike | None = None, *, cuda_graphs: bool = False, verbose: bool | None = None, **engine_kwargs: Any
+) -> StandardizedVLLM:
     """Start vLLM on ``model`` and return it ready to trace with the standard values.
 
     Args:
@@ -44,6 +47,11 @@ def load(model: str | os.PathLike | None = None, *, cuda_graphs: bool = False, *
             it; prefill steps run eagerly. Traces, whose hooks a replay would
             skip, are refused on such an engine (NotImplementedError). On the
             CPU engine, which has no graphs, it changes nothing but that.
+        verbose: vLLM's INFO log (its engine settings, start-up and shutdown
+            lines) shown (True) or not (False; its warnings stay); None keeps
+            what an earlier call or the ``vlenvoys`` command chose, quiet at
+            first (`vlenvoys.engine.logs.vllm_logging`; ``VLLM_LOGGING_LEVEL`` set
+            in the environment wins).
 
     Raises:
         UnknownArchitecture: no installed family declares the model's architecture.
@@ -59,6 +67,7 @@ def load(model: str | os.PathLike | None = None, *, cuda_graphs: bool = False, *
             "without a tap, so a trace would serve fewer rows than it asked for. Load with cuda_graphs=True for "
             "steered generation and collection with CUDA graphs, or without either for traces"
         )
+    vllm_logging(verbose)  # before vLLM logs this process's settings and starts the engine's processes
     if cuda_graphs:
         graph_defaults(engine_kwargs)
     if model is None:

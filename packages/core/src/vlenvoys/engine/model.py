@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import inspect
 import sys
 import warnings
@@ -165,15 +166,22 @@ class StandardizedVLLM(VLLM):
             for envoy in envoys:
                 envoy.__dict__.pop("_persistent_id", None)
 
-    def _call(self, prompts: list, params: list, lora_requests: list, **kwargs: Any) -> Any:
+    def _call(self, prompts: list, params: list, lora_requests: list, *, use_tqdm: bool = False, **kwargs: Any) -> Any:
+        # nnsight's `_call` (its blocks attached to the requests, the engine run, their saves collected), with
+        # vLLM's progress bars only where the trace asked for them (`trace`'s ``progress``).
         with abandoned_on_error(self):  # an interrupted trace leaves nothing running on the engine
-            return super()._call(prompts, params, lora_requests, **kwargs)
+            mediators = self._attach_mediators(params, **kwargs)
+            outputs = self.vllm_entrypoint.generate(
+                prompts, sampling_params=params, lora_request=lora_requests, use_tqdm=use_tqdm
+            )
+            self._collect(mediators, outputs)
+            return outputs
 
     def _batch(self, invokes: list[tuple], fn: Any) -> tuple:
         (prompts, params, lora_requests), kwargs = super()._batch(invokes, fn)
         return ([salted(prompt, "trace") for prompt in prompts], params, lora_requests), kwargs
 
-    def trace(self, *inputs: Any, **kwargs: Any) -> Any:
+    def trace(self, *inputs: Any, progress: bool = False, **kwargs: Any) -> Any:
         """nnsight's trace: ``with model.trace(prompt, **sampling):`` reads and edits the values of one request.
 
         One forward pass, as on transformers and nnterp: a request that names
@@ -185,9 +193,13 @@ class StandardizedVLLM(VLLM):
         length (16), as before (`vlenvoys.engine.traces`). Other keyword
         arguments are vLLM ``SamplingParams`` fields (``temperature``, ...).
 
+        ``progress=True`` shows vLLM's progress bars of the trace's requests
+        (none by default: a trace prints nothing of its own).
+
         Reading a block's raw ``.output`` warns once per place
         (`vlenvoys.RawOutputWarning`): the residual stream is ``.layer_output``.
         """
+        _check_progress(progress)
         self._check_running()
         if self.cuda_graphs:
             raise NotImplementedError(
@@ -198,14 +210,20 @@ class StandardizedVLLM(VLLM):
         # nnsight's `generate` opens its block through this method: a generation keeps vLLM's length.
         generating = sys._getframe(1).f_code is _NNSIGHT_GENERATE
         kwargs.setdefault("tracer_cls", Generation if generating else Trace)
+        kwargs.setdefault("fn", functools.partial(self._call, use_tqdm=progress))
         return super().trace(*inputs, **kwargs)
 
     # Not `generate`: nnsight tells `with model.generate(...)` from a plain call by
     # reading its caller's frame, which a wrapper here would hide. Its trace goes
     # through `trace` above, its plain run through `_generate`.
-    def _generate(self, *inputs: Any, **kwargs: Any) -> Any:
+    def _generate(self, *inputs: Any, progress: bool = False, **kwargs: Any) -> Any:
+        """nnsight's plain ``model.generate(prompts, **sampling)``; vLLM's progress bars with ``progress=True`` only."""
         self._check_running()
-        return super()._generate(*inputs, **kwargs)
+        _check_progress(progress)
+        if self._async_engine:  # no bars there: its generate streams
+            return super()._generate(*inputs, **kwargs)
+        with _progress_bars(self.vllm_entrypoint, progress):
+            return super()._generate(*inputs, **kwargs)
 
     def _check_running(self) -> None:
         if getattr(self, "_shut_down", False):
@@ -537,6 +555,26 @@ def _meta_build() -> Iterator[None]:
     finally:
         for owner, name, original in saved:
             setattr(owner, name, original)
+
+
+def _check_progress(progress: Any) -> None:
+    if not isinstance(progress, bool):
+        raise TypeError(f"progress must be True or False (whether to show vLLM's progress bars), got {progress!r}")
+
+
+@contextlib.contextmanager
+def _progress_bars(llm: Any, shown: bool) -> Iterator[None]:
+    """vLLM's ``LLM.generate`` on ``llm`` with ``use_tqdm=shown`` unless a call names its own, for the block.
+
+    nnsight's plain generate calls it with no ``use_tqdm`` (vLLM's default
+    draws the bars); the instance's attribute stands in front of the method
+    meanwhile (the synchronous engine has one caller at a time).
+    """
+    llm.generate = functools.partial(type(llm).generate, llm, use_tqdm=shown)
+    try:
+        yield
+    finally:
+        del llm.generate
 
 
 #: The code of nnsight's ``VLLM.generate``, whose ``with`` block is a trace opened by it (`StandardizedVLLM.trace`).
