@@ -21,17 +21,18 @@ class Block(torch.nn.Module):
 def test_a_misspelt_value_name_names_the_standard_name_it_is_close_to():
     block = Layer(Block())
     with pytest.raises(AttributeError, match=r"'layer_ouput'.*did you mean 'layer_output'\?"):
-        block.layer_ouput
+        getattr(block, "layer_ouput")
     with pytest.raises(AttributeError, match=r"did you mean 'mlp_neurons'\?"):
-        Mlp(torch.nn.Linear(2, 2)).mlp_neuron
+        getattr(Mlp(torch.nn.Linear(2, 2)), "mlp_neuron")
     # A standard value asked of the wrong envoy: where it is served.
-    with pytest.raises(AttributeError, match=r"'mlp_output' is served by the block's mlp: model\.layers\[i\]\.mlp\.mlp_output"):
-        block.mlp_output
-    with pytest.raises(AttributeError, match=r"'layer_output' is served by the block: model\.layers\[i\]\.layer_output"):
-        Mlp(torch.nn.Linear(2, 2)).layer_output
+    served = r"'mlp_output' is served by the block's mlp: model\.layers\[i\]\.mlp\.mlp_output"
+    with pytest.raises(AttributeError, match=served):
+        getattr(block, "mlp_output")
+    with pytest.raises(AttributeError, match=r"'layer_output' is served by the block: model\.layers\[i\]\.layer_outp"):
+        getattr(Mlp(torch.nn.Linear(2, 2)), "layer_output")
     # Nothing close: nnsight's message alone; private names are looked up as before (hasattr stays cheap).
     with pytest.raises(AttributeError) as raised:
-        block.something_else
+        getattr(block, "something_else")
     assert "did you mean" not in str(raised.value)
     assert not hasattr(block, "_persistent_id")
     assert block.mlp is not None  # children still resolve
@@ -74,9 +75,9 @@ def test_a_misspelt_name_on_the_model_names_the_one_it_is_close_to():
     model = StandardizedVLLM.__new__(StandardizedVLLM)  # no engine: only the lookup's miss is exercised
     model.__dict__["_module"] = torch.nn.Module()
     with pytest.raises(AttributeError, match=r"did you mean 'layers_output'\?"):
-        model.layers_ouput
-    with pytest.raises(AttributeError, match=r"'layer_output' is served by the block: model\.layers\[i\]\.layer_output"):
-        model.layer_output
+        getattr(model, "layers_ouput")
+    with pytest.raises(AttributeError, match=r"'layer_output' is served by the block: model\.layers\[i\]\.layer_outp"):
+        getattr(model, "layer_output")
 
 
 def with_block(source: str):

@@ -404,13 +404,14 @@ def test_a_trace_is_one_forward_pass_unless_it_asks_for_more(subject):
 
 @on_tiny_llama
 def test_a_blocks_raw_output_warns_once_where_it_is_read_and_stays_readable(subject):
-    """vLLM's block returns (hidden_states, residual): output[0] is not the residual stream; the warning says where it is."""
+    """vLLM's block returns (hidden_states, residual): output[0] is not the stream; the warning says where it is."""
     model, prompt = subject.model, subject.prompts[1]
     with pytest.warns(vlenvoys.RawOutputWarning, match=r"\.layer_output") as warned:
         with model.trace(prompt, temperature=0.0):
             raw = model.layers[1].output[0].save()
             stream = model.layers[1].layer_output.save()
-    assert [entry.filename for entry in warned if entry.category is vlenvoys.RawOutputWarning] == [__file__], "once, at the user's line"
+    raw_warnings = [entry for entry in warned if entry.category is vlenvoys.RawOutputWarning]
+    assert [entry.filename for entry in raw_warnings] == [__file__], "once, at the user's line"
     assert raw.shape == (len(prompt), subject.hidden_size) and not torch.equal(raw.cpu(), stream[0].cpu())
     with warnings.catch_warnings():
         warnings.simplefilter("error", vlenvoys.RawOutputWarning)

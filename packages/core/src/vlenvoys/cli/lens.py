@@ -45,7 +45,7 @@ class Lens:
             table.add_row(str(layer), *(f"{token!r} {p:.2f}" for token, p in zip(tokens, probabilities.tolist())))
         return table
 
-    def figure(self, title: str | None = None) -> "Figure":
+    def figure(self, title: str | None = None) -> Figure:
         """The classic logit-lens picture as a matplotlib ``Figure``: layers x positions, coloured by the top
         prediction's probability and labelled with its token.
 

@@ -22,7 +22,11 @@ CPU_KV_CACHE_BYTES = 1 << 30
 
 
 def load(
-    model: str | os.PathLike | None = None, *, cuda_graphs: bool = False, verbose: bool | None = None, **engine_kwargs: Any
+    model: str | os.PathLike | None = None,
+    *,
+    cuda_graphs: bool = False,
+    verbose: bool | None = None,
+    **engine_kwargs: Any,
 ) -> StandardizedVLLM:
     """Start vLLM on ``model`` and return it ready to trace with the standard values.
 

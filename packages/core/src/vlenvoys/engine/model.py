@@ -581,7 +581,7 @@ def _progress_bars(llm: Any, shown: bool) -> Iterator[None]:
 _NNSIGHT_GENERATE = inspect.unwrap(VLLM.generate).__code__
 
 
-#: The names a user reaches on the model (nnterp's accessors and helpers, the standard modules), for `__getattr__`'s hint.
+#: The names a user reaches on the model (nnterp's accessors and helpers, the standard modules): `__getattr__`'s hints.
 _MODEL_NAMES = sorted(
     {name for name in vars(StandardizedVLLM) if not name.startswith("_")}
     | {"layers", "embed_tokens", "ln_final", "lm_head", "trace", "generate", "edit", "tokenizer"}

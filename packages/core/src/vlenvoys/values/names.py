@@ -69,7 +69,8 @@ def hint(name: str, owner: str | None) -> str | None:
 
 
 def where(value: str) -> str:
-    """Where a standard value is read, as a sentence: ``'mlp_output' is served by the block's mlp: model.layers[i].mlp.mlp_output``."""
+    """Where a standard value is read, as a sentence:
+    ``'mlp_output' is served by the block's mlp: model.layers[i].mlp.mlp_output``."""
     owner = OWNERS[value]
     if owner == "layer":
         return f"{value!r} is served by the block: model.layers[i].{value}"
