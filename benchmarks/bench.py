@@ -31,9 +31,10 @@ from pathlib import Path
 import psutil
 import torch
 import vlenvoys
-from vlenvoys.collect import collect
 
 # This file's own folder is on the path when it runs as a script (`python benchmarks/bench.py`).
+import workloads
+from vlenvoys.collect import collect
 from workloads import median_time, prompts
 
 
@@ -85,7 +86,7 @@ class PeakMemory:
 
     Each process's proportional set size where Linux gives it (``/proc/PID/smaps_rollup``): a page
     shared by several processes counts once in their sum. The engine's rows reach this process
-    through shared memory (`vlenvoys.handover`), and a sum of resident sizes counted those pages twice.
+    through shared memory (`vlenvoys.wire.shm`), and a sum of resident sizes counted those pages twice.
     Elsewhere the resident size.
     """
 
@@ -424,14 +425,7 @@ def ratio(ours: float, base: float, paired: float | None = None) -> str:
 
 def checkout() -> str:
     """The commit the benchmarked code was installed from (with "+changes" for uncommitted changes to it)."""
-    import subprocess
-
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).parent).stdout.strip()
-
-    commit = git("rev-parse", "--short", "HEAD") or "unknown commit"
-    code = ("packages", "benchmarks/bench.py", "benchmarks/workloads.py")
-    return commit + ("+changes" if git("status", "--porcelain", "--untracked-files=no", "--", *code) else "")
+    return workloads.checkout(("packages", "benchmarks/bench.py", "benchmarks/workloads.py"))
 
 
 def write(out: Path, rows) -> None:
@@ -515,7 +509,7 @@ CUDA_ROWS = [
     ("14. plain vLLM eager vs CUDA graphs, generation", "eager.generate", "graphs.generate"),
     ("15. nnsight taps, plain prefill vs CUDA graphs", "taps.prefill", "graphs.prefill"),
     ("16. nnsight taps, plain generation vs CUDA graphs", "taps.generate", "graphs.generate"),
-    # vlenvoys.generate: each request's steering added by one hook per block per step (vlenvoys.steering).
+    # vlenvoys.generate: each request's steering added by one hook per block per step (vlenvoys.worker.steerer).
     ("17. vlenvoys.generate steered vs plain vLLM, CUDA graphs", "vl.generate_steered", "graphs.generate"),
     ("18. vlenvoys.generate steered vs plain vLLM, eager", "vl.generate_steered", "eager.generate"),
     ("19. vlenvoys.generate steered vs steering in a trace", "vl.generate_steered", "vl.steer"),
@@ -544,7 +538,7 @@ CUDA_ROWS = [
 
 def cuda_checkpoint(size: str) -> Path:
     """The suite's random Llama in bfloat16, built once into $VLENVOYS_CACHE (or ~/.cache/vlenvoys)."""
-    from vlenvoys.testing import tiny_model
+    from vlenvoys_testing import tiny_model
 
     root = Path(os.environ.get("VLENVOYS_CACHE") or Path.home() / ".cache" / "vlenvoys").expanduser()
     # tiny_model's 256 positions are fewer than a 120-word prompt and its 64 generated tokens may need.
@@ -583,7 +577,7 @@ def plain_prefill(model, cut: list[list[int]], in_flight: int, detokenize: bool 
 
 
 def worker_stats(model) -> dict[str, float]:
-    """A vlenvoys engine's worker figures since it began (`vlenvoys.collector.stats`: its row memory, the time its
+    """A vlenvoys engine's worker figures since it began (`vlenvoys.worker.collector.stats`: its row memory, the time its
     collections took in hooks, takes and copies off the device)."""
     return model.vllm_entrypoint.llm_engine.collective_rpc("vlenvoys_collect_stats")[0]
 
@@ -788,7 +782,7 @@ def cuda_header(path: Path, config: dict, layers, steer_layer: int, counts: tupl
         f"Machine: {device}, {os.cpu_count()} cores, {memory:.0f} GiB; torch {torch.__version__}, "
         f"vLLM {vllm.__version__}, nnsight {nnsight.__version__}; vlenvoys-core {vlenvoys.__version__} at {checkout()}",
         "",
-        "Model: random-weight LlamaForCausalLM (vlenvoys.testing.tiny_model, seed 0): "
+        "Model: random-weight LlamaForCausalLM (vlenvoys_testing.tiny_model, seed 0): "
         f"hidden {config['hidden_size']}, {config['num_hidden_layers']} layers, "
         f"{config['num_attention_heads']} query / {config['num_key_value_heads']} kv heads "
         f"of {config.get('head_dim') or config['hidden_size'] // config['num_attention_heads']}, "

@@ -11,11 +11,11 @@ For each corpus size (tokens of windows) it measures, on one engine:
   core runs in a process of its own): what the client spends beside the engine, which sets the pace
   where the engine is fast (a GPU's);
 - the host memory the engine's worker made for rows during the run, and the seconds it took
-  (`vlenvoys.handover.Arena.stats`): the forward waits for each chunk made, and on a GPU page-locking
+  (`vlenvoys.worker.arena.Arena.stats`): the forward waits for each chunk made, and on a GPU page-locking
   alone takes about 0.4 s a GiB. A worker keeps its chunks for the next collection, so a long run
   pays this once; a warm-up collection of ``--warm-windows`` windows (three times the windows in
   flight on a GPU) makes them before the timed runs, which then show the steady state;
-- where the time beyond plain prefill's goes on the worker (`vlenvoys.collector.Spent`): its hooks,
+- where the time beyond plain prefill's goes on the worker (`vlenvoys.worker.collector.Spent`): its hooks,
   the takes the engine waits for between steps, and on a GPU the copies off the device on the
   forward's own stream (what a copy on a stream of its own would save at most).
 
@@ -96,7 +96,7 @@ def main() -> None:
                               gpu_memory_utilization=0.5)
         described = "random Llama, 1B shape, bfloat16"
     elif args.tiny:
-        from vlenvoys.testing import tiny_model
+        from vlenvoys_testing import tiny_model
 
         root = Path(os.environ.get("VLENVOYS_CACHE") or Path.home() / ".cache" / "vlenvoys").expanduser()
         path = tiny_model("LlamaForCausalLM", root / "bench-llama-512", hidden_size=512, intermediate_size=1024)

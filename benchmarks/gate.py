@@ -39,10 +39,8 @@ import asyncio
 import datetime
 import json
 import os
-import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -53,6 +51,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.append(str(HERE))  # bench.py, serve.py and workloads.py beside this file; appended, so that
+# its datasets.py does not hide Hugging Face's `datasets` from whoever imports this file
+from workloads import card_name, checkout  # noqa: E402 - found through the line above
+
 RESULTS = HERE / "results"
 FLOORS = HERE / "floors.toml"
 #: README's and the docs' speed table lies between these lines (written by ``--report``).
@@ -103,17 +105,6 @@ class Workloads:
 
 
 SMOKE = Workloads(prefill=32, generate=8, tokens=8, dataset_tokens=20_000, serve_requests=8, serve_tokens=8)
-
-
-def card_name() -> str:
-    """The GPU's short name (``h100``, ``h200``), or ``cpu``: the floors' table and the results file's suffix."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return "cpu"
-    name = torch.cuda.get_device_name().lower()
-    found = re.search(r"\b([a-z]{1,2}\d{2,4}[a-z]?)\b", name)
-    return found.group(1) if found else re.sub(r"[^a-z0-9]+", "-", name).strip("-")
 
 
 def floors_for(card: str, path: Path = FLOORS) -> tuple[dict[str, float], str]:
@@ -245,16 +236,6 @@ def latest(results: Path = RESULTS) -> Path | None:
     return max(found)[1] if found else None
 
 
-def commit_of_checkout() -> str:
-    """HEAD's short hash, with ``+changes`` where the packages or benchmarks differ from it."""
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-
-    commit = git("rev-parse", "--short=7", "HEAD") or "unknown"
-    changed = git("status", "--porcelain", "--untracked-files=no", "--", "packages", "benchmarks")
-    return commit + ("+changes" if changed else "")
-
-
 # -- measuring -------------------------------------------------------------------------------------------
 
 
@@ -265,8 +246,7 @@ class Servers:
         import torch
         from safetensors.torch import save_file
         from transformers import AutoConfig
-
-        from vlenvoys.testing import ServerProcess
+        from vlenvoys_testing import ServerProcess
 
         hidden = AutoConfig.from_pretrained(path).hidden_size
         vectors = folder / "vectors.safetensors"
@@ -296,13 +276,12 @@ class Servers:
 def measure(args: argparse.Namespace) -> dict:
     """Start the engines, run the rounds, and return the gate's result (unjudged rows)."""
     import torch
-    import vllm
     import vlenvoys
-    from vllm import LLM, SamplingParams
-
+    import vllm
     from bench import MAX_MODEL_LEN, cuda_checkpoint, plain_prefill, requests, stop, traced, worker_stats
     from vlenvoys.activations import collect_dataset, windows
     from vlenvoys.collect import collect
+    from vllm import LLM, SamplingParams
     from workloads import prompts
 
     cuda = torch.cuda.is_available()
@@ -321,7 +300,7 @@ def measure(args: argparse.Namespace) -> dict:
     if cuda:
         path = str(cuda_checkpoint("1b"))
     else:  # six blocks: serve.py's requests steer and capture blocks 2 and 5
-        from vlenvoys.testing import tiny_model
+        from vlenvoys_testing import tiny_model
 
         cache = Path(os.environ.get("VLENVOYS_CACHE") or Path.home() / ".cache" / "vlenvoys").expanduser()
         path = str(tiny_model("LlamaForCausalLM", cache / "gate-smoke-llama", num_hidden_layers=6,
@@ -430,7 +409,7 @@ def measure(args: argparse.Namespace) -> dict:
                   + ("" if not number else ": " + ", ".join(f"{name} {row['ratio']:.3f}" for name, row in line.items())),
                   flush=True)
         rows = summarize(seconds, beside, amounts, units, names)
-        # Where the worker's time in collections went over the counted and warm-up rounds (`vlenvoys.collector.Spent`).
+        # Where the worker's time in collections went over the counted and warm-up rounds (`vlenvoys.worker.collector.Spent`).
         worker = {name: {key: worker_stats(engines[name])[key] - before[key] for key in before}
                   for name, before in worker_before.items()}
     finally:
@@ -443,7 +422,7 @@ def measure(args: argparse.Namespace) -> dict:
 
     device = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores)"
     return {
-        "commit": args.commit or commit_of_checkout(),
+        "commit": args.commit or checkout(),
         "card": card_name(),
         "device": device,
         "vllm": vllm.__version__,
@@ -491,7 +470,6 @@ def main(argv: list[str] | None = None) -> int:
     else:
         if args.smoke and args.out == RESULTS:
             args.out = ROOT / "build" / "gate-smoke"  # a smoke run is no result: not beside the gates' results
-        sys.path.insert(0, str(HERE))  # bench.py, serve.py and workloads.py beside this file
         result = measure(args)
         args.out.mkdir(parents=True, exist_ok=True)
         path = args.out / f"gate-{result['commit'].replace('+', '-')}-{result['card']}{'-smoke' if result['smoke'] else ''}.json"

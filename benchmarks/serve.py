@@ -90,8 +90,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="Timed rounds (after one warm-up round).")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "results-serve-cpu.md")
     options = parser.parse_args()
-    from vlenvoys.serving import anyio_classes_first
-    from vlenvoys.testing import http_server
+    from vlenvoys.serve.server import anyio_classes_first
+    from vlenvoys_testing import http_server
 
     anyio_classes_first()  # the openai client's anyio, under nnsight's .save mount (imported with vlenvoys)
     cuda = torch.cuda.is_available()

@@ -4,7 +4,7 @@ request run alone, with the server's and the client's memory sampled over time.
     python benchmarks/soak.py                       # 2,000 requests, 32 in flight, 8 rounds, tiny Llama
     python benchmarks/soak.py --requests 300 --rounds 4 --no-traces
 
-One ``vlenvoys serve`` is started (the tiny random Llama of `vlenvoys.testing.tiny_model` by default; ``--model 1b``
+One ``vlenvoys serve`` is started (the tiny random Llama of `vlenvoys_testing.tiny_model` by default; ``--model 1b``
 is benchmarks/bench.py's random Llama of a 1B shape in bfloat16, for a GPU; ``--model PATH`` any checkpoint). A pool
 of distinct requests of four kinds is built (`make_pool`): plain, steered (named and inline vectors, at several
 blocks and positions), capturing with the values fetched (``"capture_transport": "fetch"``, then
@@ -14,7 +14,7 @@ Each pool request is first run alone, one at a time: its reference. Then ``--req
 go out ``--concurrency`` at a time with the async openai client, in ``--rounds`` rounds, and every response is
 compared with its reference: the same tokens, and on the CPU engine log-probabilities and captured values bit for
 bit (`torch.equal`; the CPU engine's kernels do not depend on a step's batch); on a GPU, whose kernels tile by the
-step's shape, within `vlenvoys.conformance.TOLERANCE` relative (``BF16_TOLERANCE`` for a bfloat16 model; captures
+step's shape, within `vlenvoys_testing.conformance.TOLERANCE` relative (``BF16_TOLERANCE`` for a bfloat16 model; captures
 returned in bfloat16 or float16 at least 1e-2). A request that raised, timed out or was refused is lost.
 
 Traces through the Python API cannot run on the served engine: a trace's block reaches an engine only from the
@@ -33,7 +33,7 @@ from the end of the middle round to the end of the last, over the second half of
 over 1,000 (an earlier soak, #46, saw the server grow by some 10 MB every round without levelling). The slope over
 those rounds is reported in MiB per 1,000 requests. Two bounded fillings are kept out of the verdict:
 
-- The engines' shared memory (`vlenvoys.handover`): captured rows and a trace's saves are written into 64 MiB chunks
+- The engines' shared memory (`vlenvoys.engine.handover`): captured rows and a trace's saves are written into 64 MiB chunks
   front to back, so an engine's RSS grows by what was written until a chunk is full and another one is reused
   (about 8 MiB per 250 capturing requests here; with 4 MiB chunks a capturing soak used two, in turn); the client maps
   the chunks its traces' saves are in, so its RSS grows alike. Shared pages count in RSS, not in private memory.
@@ -61,7 +61,6 @@ import json
 import math
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import threading
@@ -73,6 +72,10 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.append(str(ROOT / "benchmarks"))  # bench.py and workloads.py beside this file; appended, so that
+# its datasets.py does not hide Hugging Face's `datasets` from whoever imports this file
+from workloads import card_name, checkout  # noqa: E402 - found through the line above
+
 KINDS = ("plain", "steered", "fetched", "inline")
 #: Values a capture reads, each with one row per token (the tiny Llama serves them all).
 CAPTURED = ("layer_output", "layer_input", "attention_queries", "mlp_output", "layer_mid")
@@ -310,7 +313,7 @@ def levelled(rounds: list[dict], bound_mib: float) -> dict[str, dict]:
 
 def judged(series: str) -> bool:
     """Whether memory must level off in ``series``: private memory, where a leak lands. Total RSS also counts the
-    shared-memory chunks of the engine's capture arena (`vlenvoys.handover`), which fill front to back, 64 MiB each,
+    shared-memory chunks of the engine's capture arena (`vlenvoys.engine.handover`), which fill front to back, 64 MiB each,
     before they are reused: reported and plotted, not judged."""
     return series.endswith(" private")
 
@@ -615,24 +618,6 @@ def table(result: dict) -> str:
     return f"{rounds}\n\n{verdict}"
 
 
-def commit_of_checkout() -> str:
-    """HEAD's short hash, with ``+changes`` where the packages or benchmarks differ from it."""
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-
-    commit = git("rev-parse", "--short=7", "HEAD") or "unknown"
-    changed = git("status", "--porcelain", "--untracked-files=no", "--", "packages", "benchmarks")
-    return commit + ("+changes" if changed else "")
-
-
-def device_name() -> str:
-    """The GPU's short name (``h100``), or ``cpu``."""
-    if not torch.cuda.is_available():
-        return "cpu"
-    name = torch.cuda.get_device_name().lower()
-    return next((word for word in name.split() if word[:1].isalpha() and word[1:].isdigit()), name.replace(" ", "-"))
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny", help="'tiny' (the tiny random Llama, default), '1b' (bench.py's "
@@ -663,22 +648,21 @@ def main() -> int:
     import functools
 
     import tqdm
-    import vlenvoys  # noqa: F401 - defines anyio's classes before the openai client's (vlenvoys.serving.anyio_classes_first)
+    import vlenvoys  # noqa: F401 - defines anyio's classes before the openai client's (vlenvoys.serve.server.anyio_classes_first)
 
     # vLLM draws two progress bars for every trace (model.trace takes no use_tqdm), which would bury the rounds'
     # lines: drawn into nothing (not disabled: vLLM divides by a disabled bar's elapsed time, 0).
     tqdm.tqdm.__init__ = functools.partialmethod(tqdm.tqdm.__init__, file=open(os.devnull, "w"))  # noqa: SIM115
     from safetensors.torch import save_file
     from transformers import AutoConfig
-    from vlenvoys.conformance import BF16_TOLERANCE, TOLERANCE
-    from vlenvoys.testing import server, tiny_model
+    from vlenvoys_testing import server, tiny_model
+    from vlenvoys_testing.conformance import BF16_TOLERANCE, TOLERANCE
 
     cuda = torch.cuda.is_available()
     folder = Path(tempfile.mkdtemp(prefix="vlenvoys-soak-"))
     if options.model == "tiny":
         path = tiny_model("LlamaForCausalLM", folder / "tiny-llama")
     elif options.model == "1b":
-        sys.path.insert(0, str(Path(__file__).parent))  # bench.py beside this file, when imported rather than run
         from bench import cuda_checkpoint
 
         path = cuda_checkpoint("1b")
@@ -697,7 +681,7 @@ def main() -> int:
                  # On a GPU the in-process engine of --traces shares the device.
                  *(["--gpu-memory-utilization", "0.4", "--kv-cache-memory-bytes", str(4 << 30)] if cuda else [])]
     pool = make_pool(options.pool, hidden, layers, options.seed)
-    commit, device = commit_of_checkout(), device_name()
+    commit, device = checkout(), card_name()
     print(f"soak of {options.requests} requests ({len(pool)} distinct), {options.concurrency} in flight, "
           f"{options.rounds} rounds, on {path} ({dtype}, {device}) at {commit}", flush=True)
     with server(path, folder / "server.log", *arguments, started_within=600) as started:
@@ -734,12 +718,12 @@ def main() -> int:
 
 
 def _engine(path: Path, wanted: bool):
-    """The in-process engine for traces (`vlenvoys.oracle.engine`: small KV cache, a small GPU share), or None."""
+    """The in-process engine for traces (`vlenvoys_testing.oracle.engine`: small KV cache, a small GPU share), or None."""
     import contextlib
 
     if not wanted:
         return contextlib.nullcontext(None)
-    from vlenvoys.oracle import engine
+    from vlenvoys_testing.oracle import engine
 
     return engine(str(path))
 

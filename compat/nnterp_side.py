@@ -39,12 +39,12 @@ SEED = 0  # of the steering vector
 
 
 def tiny_llama(folder: Path) -> Path:
-    """The repository's tiny Llama (`vlenvoys.testing.tiny_model`), built here without importing vlenvoys.
+    """The repository's tiny Llama (`vlenvoys_testing.tiny_model`), built here without importing vlenvoys.
 
-    testing.py needs only torch, transformers, tokenizers and filelock, so it is
+    models.py needs only torch, transformers, tokenizers and filelock, so it is
     loaded as a file: the model is the one every Llama test of the repo uses.
     """
-    spec = importlib.util.spec_from_file_location("tiny_models", ROOT / "packages/core/src/vlenvoys/testing.py")
+    spec = importlib.util.spec_from_file_location("tiny_models", ROOT / "packages/testing/src/vlenvoys_testing/models.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.tiny_model("LlamaForCausalLM", folder)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from vlenvoys import oracle
+from vlenvoys_testing import oracle
 
 #: As the oracle suite: logits to 1e-4 of their scale, probabilities to 1e-5.
 TOLERANCE, PROBABILITY_TOLERANCE = 1e-4, 1e-5

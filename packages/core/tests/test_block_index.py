@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import vlenvoys
-from vlenvoys.envoys import block_index
+from vlenvoys.values.envoys import block_index
 
 
 def test_negative_indices_count_from_the_end():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from vlenvoys import InvalidWrite, argument, batched, unbatched, with_argument
-from vlenvoys.values import _Summed, _SummedOutput, edited, served_shape
+from vlenvoys.values.layouts import _Summed, _SummedOutput, edited, served_shape
 
 
 def test_argument_reads_positional_and_keyword():

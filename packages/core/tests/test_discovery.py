@@ -6,10 +6,9 @@ import pytest
 from typer.testing import CliRunner
 
 import vlenvoys
-from vlenvoys import testing
+import vlenvoys_testing as testing
 from vlenvoys.cli import app
-from vlenvoys.engine import resolve_checkpoint
-from vlenvoys.family import resolve
+from vlenvoys.values.family import resolve, resolve_checkpoint
 
 
 def installed_names() -> set[str]:
@@ -103,7 +102,7 @@ def test_engines_that_would_serve_short_values_are_refused_before_starting(tmp_p
 
 def test_a_family_package_that_fails_to_load_is_skipped_and_named(tmp_path, monkeypatch):
     """A broken family package (built for another core, half-installed) leaves the others served."""
-    from vlenvoys import family
+    from vlenvoys.values import family
 
     info = tmp_path / "vlenvoys_broken-0.1.0.dist-info"
     info.mkdir()

@@ -1,4 +1,5 @@
-"""`vlenvoys.handover`: rows written once into host chunks, handed over by place, mapped by the client."""
+"""A handover (`vlenvoys.wire.shm`): rows written once into host chunks (`vlenvoys.worker.arena`), handed over by
+place, mapped by the client (`vlenvoys.engine.handover`)."""
 
 from __future__ import annotations
 
@@ -12,13 +13,16 @@ import time
 import pytest
 import torch
 
-from vlenvoys import handover
-from vlenvoys.handover import Arena, received
+from vlenvoys.engine import handover
+from vlenvoys.engine.handover import received
+from vlenvoys.wire import shm
+from vlenvoys.worker import arena as worker_arena
+from vlenvoys.worker.arena import BLOCKS_A_CHUNK, Arena
 
 
 def mine(name: str) -> list[str]:
     """This arena's files still in shared memory."""
-    return sorted(entry for entry in os.listdir(handover.SHARED_MEMORY) if entry.startswith(f"vlenvoys-{name}-"))
+    return sorted(entry for entry in os.listdir(shm.SHARED_MEMORY) if entry.startswith(f"vlenvoys-{name}-"))
 
 
 def write_steps(arena: Arena, steps: list[torch.Tensor], lengths: list[list[int]]) -> dict[int, list]:
@@ -38,10 +42,10 @@ def write_steps(arena: Arena, steps: list[torch.Tensor], lengths: list[list[int]
 
 @pytest.fixture(params=["files", "process memory"])
 def where(request, monkeypatch):
-    if request.param == "files" and not os.access(handover.SHARED_MEMORY, os.W_OK):
-        pytest.skip(f"{handover.SHARED_MEMORY} is not writable here")
-    monkeypatch.setattr(handover, "FIRST_CHUNK", 4096)  # a few steps per chunk: rows span chunks
-    monkeypatch.setattr(handover, "LARGEST_CHUNK", 8192)
+    if request.param == "files" and not os.access(shm.SHARED_MEMORY, os.W_OK):
+        pytest.skip(f"{shm.SHARED_MEMORY} is not writable here")
+    monkeypatch.setattr(worker_arena, "FIRST_CHUNK", 4096)  # a few steps per chunk: rows span chunks
+    monkeypatch.setattr(worker_arena, "LARGEST_CHUNK", 8192)
     return request.param
 
 
@@ -108,9 +112,9 @@ def test_unread_rows_read_into_place_are_the_rows(where, dtype):
 
 @pytest.fixture
 def files_only(monkeypatch):
-    monkeypatch.setattr(handover, "FIRST_CHUNK", 4096)
-    if not os.access(handover.SHARED_MEMORY, os.W_OK):
-        pytest.skip(f"{handover.SHARED_MEMORY} is not writable here")
+    monkeypatch.setattr(worker_arena, "FIRST_CHUNK", 4096)
+    if not os.access(shm.SHARED_MEMORY, os.W_OK):
+        pytest.skip(f"{shm.SHARED_MEMORY} is not writable here")
 
 
 def fill(arena: Arena) -> None:
@@ -129,12 +133,12 @@ def one_take(arena: Arena, rows: torch.Tensor, owner: str = "c") -> torch.Tensor
 def test_a_chunk_is_as_large_however_many_came_before(files_only, monkeypatch):
     """A chunk made while the others are busy holds `BLOCKS_A_CHUNK` blocks of its size, never more: a long
     collection that sometimes runs short of idle chunks adds one such chunk each time, not a doubling."""
-    monkeypatch.setattr(handover, "LARGEST_CHUNK", 1 << 20)
+    monkeypatch.setattr(worker_arena, "LARGEST_CHUNK", 1 << 20)
     name = f"test-{os.getpid()}-sizes"
     arena = Arena(name, device_copies=False)
     held = [arena.block(torch.Size([2048]), torch.uint8) for _ in range(20)]  # all kept busy: 2 KiB blocks
     sizes = {chunk.size for chunk in arena.chunks.values()}
-    assert len(arena.chunks) == 20 // handover.BLOCKS_A_CHUNK and sizes == {handover.BLOCKS_A_CHUNK * 2048}
+    assert len(arena.chunks) == 20 // BLOCKS_A_CHUNK and sizes == {BLOCKS_A_CHUNK * 2048}
     big = arena.block(torch.Size([1 << 19]), torch.uint8)  # a block of its own size class: 4 of them, capped
     assert arena.chunks[big[1]].size == 1 << 20
     huge = arena.block(torch.Size([3 << 20]), torch.uint8)  # beyond the cap: the block alone
@@ -162,7 +166,7 @@ def test_a_chunk_is_reused_only_once_the_client_let_go_of_it(files_only):
     assert len(mine(name)) == 2, "the first chunk, let go, was reused"
     assert torch.equal(second, torch.full((4, 8), 2.0)) and torch.equal(third, torch.full((4, 8), 3.0))
     stats = arena.stats()
-    assert stats["chunks"] == 2 and stats["bytes"] == sum(os.path.getsize(f"{handover.SHARED_MEMORY}/{f}") for f in mine(name))
+    assert stats["chunks"] == 2 and stats["bytes"] == sum(os.path.getsize(f"{shm.SHARED_MEMORY}/{f}") for f in mine(name))
     assert stats["made_bytes"] == made["made_bytes"] == stats["bytes"], "a reused chunk is not counted as made"
     assert stats["made_seconds"] == made["made_seconds"] > 0
     arena.close()
@@ -243,12 +247,12 @@ def test_idle_chunks_above_the_bound_are_given_up_mapped_ones_first(files_only):
 def test_a_moment_without_room_makes_one_chunk_process_memory_not_every_later_one(files_only, monkeypatch):
     name = f"test-{os.getpid()}-room"
     arena = Arena(name, device_copies=False)
-    monkeypatch.setattr(handover, "MARGIN", 1 << 62)  # no room
+    monkeypatch.setattr(worker_arena, "MARGIN", 1 << 62)  # no room
     pieces = write_steps(arena, [torch.ones(2, 8)], [[2]])
     assert arena.chunks[arena.current].path is None and mine(name) == []
     handed = arena.handover({"v": [pieces[0]]}, {"v": ([8], "float32")}, owner="c")
     assert handed["inline"] is not None and torch.equal(received(handed)["v"][0], torch.ones(2, 8))
-    monkeypatch.setattr(handover, "MARGIN", 0)
+    monkeypatch.setattr(worker_arena, "MARGIN", 0)
     fill(arena)
     arena.acknowledge("c")
     arena.block(torch.Size([2 * 4096]), torch.uint8)  # larger than the first chunk: a new one
@@ -270,17 +274,17 @@ def test_handovers_of_one_run_share_one_mapping_per_file(files_only):
 
 
 def test_sweep_removes_the_files_of_arenas_whose_lock_is_free_only(files_only):
-    living = Arena(handover.worker_name(), device_copies=False)
+    living = Arena(shm.worker_name(), device_copies=False)
     one_take(living, torch.ones(2, 8))
-    lock = os.path.join(handover.SHARED_MEMORY, f"vlenvoys-{living.name}.lock")
-    dead = handover.worker_name()
-    made = [os.path.join(handover.SHARED_MEMORY, f"vlenvoys-{dead}{suffix}") for suffix in (".lock", "-a.rows", "-b.rows")]
-    orphan = os.path.join(handover.SHARED_MEMORY, f"vlenvoys-{handover.worker_name()}-c.rows")  # no lock file
-    other = os.path.join(handover.SHARED_MEMORY, f"vlenvoys-test-{os.getpid()}-other.rows")  # not a worker's
+    lock = os.path.join(shm.SHARED_MEMORY, f"vlenvoys-{living.name}.lock")
+    dead = shm.worker_name()
+    made = [os.path.join(shm.SHARED_MEMORY, f"vlenvoys-{dead}{suffix}") for suffix in (".lock", "-a.rows", "-b.rows")]
+    orphan = os.path.join(shm.SHARED_MEMORY, f"vlenvoys-{shm.worker_name()}-c.rows")  # no lock file
+    other = os.path.join(shm.SHARED_MEMORY, f"vlenvoys-test-{os.getpid()}-other.rows")  # not a worker's
     for path in (*made, orphan, other):
         open(path, "wb").close()
     try:
-        removed = handover.sweep()
+        removed = shm.sweep()
         assert sorted(removed) == sorted(os.path.basename(path) for path in (*made, orphan))
         assert os.path.exists(other)
         assert len(mine(living.name)) == 1 and os.path.exists(lock), "the living arena's chunk and lock are left alone"
@@ -295,10 +299,10 @@ def test_sweep_removes_the_files_of_arenas_whose_lock_is_free_only(files_only):
 def test_sweep_waits_for_its_own_engines_arenas_to_be_let_go(files_only):
     """vLLM kills an engine that has not stopped 5 s after its SIGTERM; its worker may hold its lock a moment
     after the kill, and a sweep at once would leave its files. A sweep for that engine waits for them to go."""
-    with handover.engine_named() as engine:
-        name = handover.worker_name()
-    assert name.startswith(f"rows-{engine}") and handover.ENGINE_VARIABLE not in os.environ
-    files = [os.path.join(handover.SHARED_MEMORY, f"vlenvoys-{name}{suffix}") for suffix in (".lock", "-a.rows")]
+    with shm.engine_named() as engine:
+        name = shm.worker_name()
+    assert name.startswith(f"rows-{engine}") and shm.ENGINE_VARIABLE not in os.environ
+    files = [os.path.join(shm.SHARED_MEMORY, f"vlenvoys-{name}{suffix}") for suffix in (".lock", "-a.rows")]
     for path in files:
         open(path, "wb").close()
     holder = subprocess.Popen(  # the dying worker: holds the arena's lock for a second, then exits
@@ -308,12 +312,12 @@ def test_sweep_waits_for_its_own_engines_arenas_to_be_let_go(files_only):
     )
     try:
         assert holder.stdout.readline().strip() == "locked"
-        handover.sweep()
+        shm.sweep()
         assert all(os.path.exists(path) for path in files), "a held arena is left alone"
         began = time.monotonic()
-        handover.sweep(engine="0" * 8, wait=30.0)  # another engine's arenas: nothing to wait for
+        shm.sweep(engine="0" * 8, wait=30.0)  # another engine's arenas: nothing to wait for
         assert time.monotonic() - began < 15 and all(os.path.exists(path) for path in files)
-        removed = handover.sweep(engine=engine, wait=30.0)
+        removed = shm.sweep(engine=engine, wait=30.0)
         assert holder.poll() is not None, "the sweep waited for the worker to exit"
         assert sorted(removed) == sorted(os.path.basename(path) for path in files)
         assert not any(os.path.exists(path) for path in files)
@@ -338,8 +342,8 @@ def test_rows_copied_off_the_device_without_waiting_arrive_whole(monkeypatch):
     Rounds as a user's loop runs them (``out = collect(...)``: each round's rows are kept until the next
     round has returned), with small chunks: chunks are reused, registered once, and kept rows stay whole.
     """
-    monkeypatch.setattr(handover, "FIRST_CHUNK", 64 << 10)
-    monkeypatch.setattr(handover, "LARGEST_CHUNK", 256 << 10)
+    monkeypatch.setattr(worker_arena, "FIRST_CHUNK", 64 << 10)
+    monkeypatch.setattr(worker_arena, "LARGEST_CHUNK", 256 << 10)
     name = f"test-{os.getpid()}-cuda"
     arena = Arena(name, device_copies=True)
     generator = torch.Generator().manual_seed(1)

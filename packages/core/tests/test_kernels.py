@@ -1,4 +1,4 @@
-"""The steering kernel (`vlenvoys.kernels`) against the torch operations it replaces, bit for bit.
+"""The steering kernel (`vlenvoys.worker.kernels`) against the torch operations it replaces, bit for bit.
 
 On a CUDA device the compiled kernel runs here. Elsewhere Triton's
 interpreter runs the same kernel on the CPU, in a process of its own (it
@@ -28,7 +28,7 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
 
 def compare(device: str, dtype: torch.dtype, halves: bool) -> None:
     """Steered rows equal torch's, unsteered rows are untouched, refusals are counted alike (AssertionError if not)."""
-    from vlenvoys import kernels
+    from vlenvoys.worker import kernels
 
     draw = torch.Generator().manual_seed(1)
     rows, width, slots, blocks = 11, 96, 6, 3
@@ -74,7 +74,7 @@ def test_steered_rows_equal_torchs_and_the_others_are_untouched():
 
 
 def test_only_rows_of_contiguous_columns_fit():
-    from vlenvoys import kernels
+    from vlenvoys.worker import kernels
 
     device = "cuda" if CUDA else "cpu"
     stream = torch.zeros(4, 8, device=device)

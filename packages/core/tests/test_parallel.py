@@ -1,9 +1,9 @@
-"""The head gather/split rules of `vlenvoys.parallel` on real tensors (the two-rank engines run in the family tests)."""
+"""The head gather/split rules of `vlenvoys.values.parallel` on real tensors (the two-rank engines run in the family tests)."""
 
 import pytest
 import torch
 
-from vlenvoys.parallel import gather_heads, gather_vocab, split_heads, tensor_parallel
+from vlenvoys.values.parallel import gather_heads, gather_vocab, split_heads, tensor_parallel
 
 
 @pytest.mark.parametrize(("ranks", "heads", "replicas"), [(2, 4, 1), (4, 8, 1), (2, 1, 2), (4, 2, 2), (4, 1, 4)])

@@ -7,7 +7,7 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
-PACKAGES = ["core", "family-llama", "family-gpt2", "family-gemma", "family-exaone", "family-neox"]
+PACKAGES = ["core", "testing", "family-llama", "family-gpt2", "family-gemma", "family-exaone", "family-neox"]
 
 
 def readme_commands() -> list[str]:
@@ -35,18 +35,30 @@ def test_every_package_is_its_own_versioned_distribution():
         version_file = ROOT / "packages" / folder / project["tool"]["hatch"]["version"]["path"]
         assert re.search(r'__version__ = "\d+\.\d+\.\d+"', version_file.read_text())
         assert (version_file.parent / "py.typed").exists()
-        if folder != "core":
+        if folder.startswith("family-"):
             entry = project["project"]["entry-points"]["vlenvoys.families"]
             assert list(entry) == [folder.removeprefix("family-")]
+            # Their tests import the conformance suite from the test-support distribution.
+            assert any(need.startswith("vlenvoys-testing") for need in project["project"]["optional-dependencies"]["test"])
 
+
+
+def test_the_runtime_ships_no_test_support():
+    """Test support (the oracle, the conformance suite, tiny models) is vlenvoys-testing's, not the runtime wheel's."""
+    runtime = ROOT / "packages" / "core" / "src" / "vlenvoys"
+    for path in runtime.rglob("*.py"):
+        text = path.read_text()
+        assert not re.search(r"^\s*(import|from) (pytest|vlenvoys_testing)\b", text, flags=re.M), path
+    for gone in ("testing.py", "oracle.py", "conformance.py"):
+        assert not (runtime / gone).exists()
 
 
 def test_testing_builds_a_tiny_model_as_a_lone_file(tmp_path):
-    """compat/nnterp_side.py loads testing.py as a file, in a process without vLLM or vlenvoys."""
+    """compat/nnterp_side.py loads vlenvoys_testing's models.py as a file, in a process without vLLM or vlenvoys."""
     import importlib.util
     import json
 
-    spec = importlib.util.spec_from_file_location("lone_testing", ROOT / "packages/core/src/vlenvoys/testing.py")
+    spec = importlib.util.spec_from_file_location("lone_testing", ROOT / "packages/testing/src/vlenvoys_testing/models.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     path = Path(module.tiny_model("LlamaForCausalLM", tmp_path / "llama"))

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import vlenvoys
-from vlenvoys import Mlp, oracle
-from vlenvoys.support import _rows
+from vlenvoys import Mlp
+from vlenvoys_testing import oracle
+from vlenvoys.values.support import envoy_rows
 
 
 class Routed(Mlp):
@@ -49,7 +50,7 @@ class _Runner(torch.nn.Module):
 
 @pytest.mark.parametrize("monolithic", [False, True])
 def test_the_routing_is_refused_by_name_where_the_kernel_is_monolithic(monolithic):
-    from vlenvoys.routing import Routes
+    from vlenvoys.values.routing import Routes
 
     block = torch.nn.Module()
     block.experts = _Runner(monolithic)
@@ -58,14 +59,14 @@ def test_the_routing_is_refused_by_name_where_the_kernel_is_monolithic(monolithi
     for name in ("mlp_router_experts", "mlp_router_weights"):
         assert envoy.unavailable_here(name) == (vlenvoys.FUSED_ROUTING if monolithic else None)
     assert envoy.unavailable_here("mlp_router_logits") is None
-    rows = {row.value: row for row in _rows("mlp", Routed, envoy)}
+    rows = {row.value: row for row in envoy_rows("mlp", Routed, envoy)}
     assert rows["mlp_router_weights"].available is not monolithic
     weights, experts = torch.rand(3, 2), torch.randint(0, 4, (3, 2), dtype=torch.int32)
     assert block.experts.routes(weights, experts) == (weights, experts)  # an identity
 
 
 def test_the_routing_is_served_by_weight_highest_first_and_written_back_as_the_model_holds_it():
-    from vlenvoys.routing import Chosen, Routes
+    from vlenvoys.values.routing import Chosen, Routes
 
     block = torch.nn.Module()
     block.experts = _Runner(False)
@@ -95,8 +96,8 @@ def test_the_routing_is_served_by_weight_highest_first_and_written_back_as_the_m
 def test_router_logits_take_minus_inf_while_each_token_keeps_its_top_k():
     """-inf bans an expert (softmax weight 0); NaN, +inf and a token left with fewer than top-k finite logits
     are refused, each saying which; every other value still refuses any non-finite entry."""
-    from vlenvoys.routing import Routes
-    from vlenvoys.values import unbatched
+    from vlenvoys.values.routing import Routes
+    from vlenvoys.values.layouts import unbatched
 
     block = torch.nn.Module()
     block.experts = _Runner(False)
@@ -127,13 +128,13 @@ def test_router_logits_take_minus_inf_while_each_token_keeps_its_top_k():
 
 
 def test_support_lists_the_router_values_with_their_layouts_and_codes():
-    rows = {row.value: row for row in _rows("mlp", Routed)}
+    rows = {row.value: row for row in envoy_rows("mlp", Routed)}
     assert rows["mlp_router_logits"].available and rows["mlp_router_logits"].shape == "[1, T, E]"
     assert rows["mlp_router_experts"].available and rows["mlp_router_experts"].shape == "[1, T, K]"
     assert rows["mlp_router_weights"].layout == "Routes"
-    refused = {row.value: row for row in _rows("mlp", RoutedWithoutRoutes)}
+    refused = {row.value: row for row in envoy_rows("mlp", RoutedWithoutRoutes)}
     assert refused["mlp_router_experts"].code == "FUSED_ROUTING"
-    dense = {row.value: row for row in _rows("mlp", Mlp)}
+    dense = {row.value: row for row in envoy_rows("mlp", Mlp)}
     assert [dense[name].code for name in ROUTER_VALUES] == ["NOT_ROUTED"] * 3
     assert Mlp.mlp_router_logits.layout == "Experts"
 
@@ -180,9 +181,9 @@ def test_the_oracle_edits_a_transformers_router_before_its_top_k(module, config)
 
 def test_support_gives_keys_and_values_one_head_per_key_value_head():
     """Grouped-query attention: queries and head outputs have n heads, keys and values k; support says which."""
-    from vlenvoys.envoys import Attention
+    from vlenvoys.values.envoys import Attention
 
-    rows = {row.value: row for row in _rows("attention", Attention)}
+    rows = {row.value: row for row in envoy_rows("attention", Attention)}
     assert {rows[name].shape for name in ("attention_queries", "attention_head_outputs", "attention_premix")} == {"[1, T, n, d]"}
     assert {rows[name].shape for name in ("attention_keys", "attention_values")} == {"[1, T, k, d]"}
     # The shape follows the layout the value is declared with, as every other value's does.

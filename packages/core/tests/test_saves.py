@@ -1,4 +1,5 @@
-"""`vlenvoys.saves`: containers saved above a trace's invokes, merged against their base as sequential invokes fill them."""
+"""`vlenvoys.engine.saves` (and the worker's `vlenvoys.worker.saves`): containers saved above a trace's invokes, merged
+against their base as sequential invokes fill them."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vlenvoys.saves import _merge, merged
+from vlenvoys.engine.saves import _merge, merged
 
 
 def test_sub_lists_filled_per_invoke_keep_every_invokes_entries():
@@ -52,10 +53,10 @@ def test_merged_writes_into_every_scope_and_leaves_names_saved_once():
 def test_saves_travel_in_one_block_and_come_back_equal(monkeypatch, run_bytes):
     import pickle
 
-    from vlenvoys import workers
-    from vlenvoys.workers import dumps_saves
+    from vlenvoys.engine import saves as client_saves
+    from vlenvoys.worker.saves import dumps_saves
 
-    monkeypatch.setattr(workers, "COPY_BYTES", run_bytes)  # the client copies a device's tensors in runs this long
+    monkeypatch.setattr(client_saves, "COPY_BYTES", run_bytes)  # the client copies a device's tensors in runs this long
 
     whole = torch.randn(6, 8).to(torch.bfloat16)
     saves = {
@@ -99,11 +100,11 @@ def test_saves_of_a_cuda_device_come_back_equal_on_it(monkeypatch, staged_bytes)
     """A device's saves go back to it through page-locked memory, or straight from the block, equal either way."""
     import pickle
 
-    from vlenvoys import workers
-    from vlenvoys.workers import dumps_saves
+    from vlenvoys.engine import saves as client_saves
+    from vlenvoys.worker.saves import dumps_saves
 
-    monkeypatch.setattr(workers, "STAGED_BYTES", staged_bytes)
-    monkeypatch.setattr(workers, "COPY_BYTES", 3 << 20)  # several runs, each staged on its own
+    monkeypatch.setattr(client_saves, "STAGED_BYTES", staged_bytes)
+    monkeypatch.setattr(client_saves, "COPY_BYTES", 3 << 20)  # several runs, each staged on its own
     saves = {f"rows{number}": torch.randn(256 + number, 2048, device="cuda").to(torch.bfloat16) for number in range(6)}
     saves["host"] = torch.arange(7)
     back = pickle.loads(dumps_saves(saves))
@@ -118,15 +119,16 @@ def test_saves_in_shared_memory_come_back_equal_and_hold_their_block_until_loade
     import os
     import pickle
 
-    from vlenvoys import handover
-    from vlenvoys.handover import Arena
-    from vlenvoys.workers import dumps_saves
+    from vlenvoys.wire import shm
+    from vlenvoys.worker import arena as worker_arena
+    from vlenvoys.worker.arena import Arena
+    from vlenvoys.worker.saves import dumps_saves
 
-    if not os.access(handover.SHARED_MEMORY, os.W_OK):
-        pytest.skip(f"{handover.SHARED_MEMORY} is not writable here")
-    monkeypatch.setattr(handover, "FIRST_CHUNK", 4096)
-    monkeypatch.setattr(handover, "LARGEST_CHUNK", 8192)
-    monkeypatch.setattr(handover, "BLOCKS_A_CHUNK", 1)
+    if not os.access(shm.SHARED_MEMORY, os.W_OK):
+        pytest.skip(f"{shm.SHARED_MEMORY} is not writable here")
+    monkeypatch.setattr(worker_arena, "FIRST_CHUNK", 4096)
+    monkeypatch.setattr(worker_arena, "LARGEST_CHUNK", 8192)
+    monkeypatch.setattr(worker_arena, "BLOCKS_A_CHUNK", 1)
     arena = Arena(f"test-saves-{os.getpid()}", device_copies=False)
     try:
         def saves(seed: int) -> dict:  # 3,008 bytes of tensors: one block a chunk
@@ -169,7 +171,7 @@ def test_saves_in_shared_memory_come_back_equal_and_hold_their_block_until_loade
         check(pickle.loads(inline), 4)
     finally:
         arena.close()
-    assert not [entry for entry in os.listdir(handover.SHARED_MEMORY) if entry.startswith(f"vlenvoys-test-saves-{os.getpid()}")]
+    assert not [entry for entry in os.listdir(shm.SHARED_MEMORY) if entry.startswith(f"vlenvoys-test-saves-{os.getpid()}")]
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
@@ -180,12 +182,13 @@ def test_the_client_keeps_one_mapping_per_file_and_drops_it_with_the_file(device
     import os
     import pickle
 
-    from vlenvoys import handover
-    from vlenvoys.handover import SAVES_MAPS, Arena
-    from vlenvoys.workers import dumps_saves
+    from vlenvoys.engine.handover import SAVES_MAPS
+    from vlenvoys.wire import shm
+    from vlenvoys.worker.arena import Arena
+    from vlenvoys.worker.saves import dumps_saves
 
-    if not os.access(handover.SHARED_MEMORY, os.W_OK):
-        pytest.skip(f"{handover.SHARED_MEMORY} is not writable here")
+    if not os.access(shm.SHARED_MEMORY, os.W_OK):
+        pytest.skip(f"{shm.SHARED_MEMORY} is not writable here")
     SAVES_MAPS.forget()
     arena = Arena(f"test-maps-{os.getpid()}", device_copies=device == "cuda")
     try:
@@ -217,7 +220,7 @@ def test_saves_too_large_for_a_message_fail_their_request_alone(monkeypatch):
 
     from nnsight.modeling.vllm.model_runners import GPUModelRunner as runner_module
 
-    from vlenvoys import workers
+    from vlenvoys.worker import saves as workers
 
     workers.send_back_what_can_be_sent(None)  # no runner, no arena: every block goes in the message
     monkeypatch.setattr(workers, "message_bytes", lambda: 3000)

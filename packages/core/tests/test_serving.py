@@ -1,4 +1,4 @@
-"""`vlenvoys.serving`'s reading of a request's steering field, without a server or an engine."""
+"""`vlenvoys.serve.steering`'s reading of a request's steering field, without a server or an engine."""
 
 from __future__ import annotations
 
@@ -8,22 +8,27 @@ import json
 import pytest
 import torch
 from vlenvoys import Steering
-from vlenvoys.serving import SteeringError, Vectors, rewritten, steering_spec
-from vlenvoys.steering import KEY
+from vlenvoys.serve.fields import SteeringError
+from vlenvoys.serve.steering import Vectors, rewritten, steering_spec
+from vlenvoys.wire.requests import STEER_KEY as KEY
 
 HIDDEN, LAYERS = 8, 4
 
 
 def spec(field, vectors=None, dtype=torch.float32):
-    return steering_spec(field, HIDDEN, LAYERS, dtype, vectors or Vectors())
+    """The field's spec as it travels (JSON text), parsed."""
+    return json.loads(steering_spec(field, HIDDEN, LAYERS, dtype, vectors or Vectors()))
 
 
-def test_the_spec_carries_the_bytes_steering_encode_makes():
+def test_a_served_steering_travels_as_the_text_steering_encode_makes():
+    """One wire format: the field and `vlenvoys.Steering` give the same text, so the same cache salt."""
     vector = torch.randn(HIDDEN, generator=torch.Generator().manual_seed(0))
     for dtype in (torch.float32, torch.bfloat16):
-        made = spec([{"layer": -1, "vector": vector.tolist(), "factor": 3.0}], dtype=dtype)
-        want = Steering(3, vector, 3.0).encode_for(HIDDEN, LAYERS, dtype)
-        assert base64.b64decode(made["vector"]) == want["vector"]
+        served = steering_spec([{"layer": -1, "vector": vector.tolist(), "factor": 3.0}], HIDDEN, LAYERS, dtype, Vectors())
+        assert served == Steering(3, vector, 3.0).encode_for(HIDDEN, LAYERS, dtype)
+        made = json.loads(served)
+        scaled = (3.0 * vector.to(dtype)).float()
+        assert base64.b64decode(made["vector"]) == scaled.numpy().tobytes()
         assert made["layers"] == [3] and made["positions"] is None
 
 
@@ -42,8 +47,8 @@ def test_entries_of_several_vectors_are_one_spec_each():
     made = spec([{"layer": 0, "vector": "v"}, {"layer": 1, "vector": "v", "factor": 2.0},
                  {"layer": 2, "vector": "v", "positions": "prompt"}, {"layer": 3, "vector": "v"}], vectors)
     assert [(each["layers"], each["positions"]) for each in made] == [([0, 3], None), ([1], None), ([2], "prompt")]
-    assert base64.b64decode(made[1]["vector"]) == Steering(1, torch.ones(HIDDEN), 2.0).encode_for(
-        HIDDEN, LAYERS, torch.float32)["vector"]
+    assert made[1]["vector"] == json.loads(Steering(1, torch.ones(HIDDEN), 2.0).encode_for(
+        HIDDEN, LAYERS, torch.float32))["vector"]
 
 
 @pytest.mark.parametrize("field, reason", [
@@ -51,7 +56,7 @@ def test_entries_of_several_vectors_are_one_spec_each():
     ([{"value": "attention_output", "layer": 0, "vector": [0.0] * HIDDEN}], "not served yet"),
     ([{"layer": 4, "vector": [0.0] * HIDDEN}], "block 4 does not exist"),
     ([{"layer": True, "vector": [0.0] * HIDDEN}], "expected a block index"),
-    ([{"layer": 0, "vector": [0.0] * (HIDDEN + 1)}], f"expected {HIDDEN} numbers"),
+    ([{"layer": 0, "vector": [0.0] * (HIDDEN + 1)}], f"expected shape [{HIDDEN}]"),
     ([{"layer": 0, "vector": [float("inf")] + [0.0] * (HIDDEN - 1)}], "NaN or infinite"),
     ([{"layer": 0, "vector": ["a"] * HIDDEN}], "expected a list"),
     ([{"layer": 0, "vector": "missing"}], "no vector is registered as 'missing'"),
@@ -61,7 +66,8 @@ def test_entries_of_several_vectors_are_one_spec_each():
     ([], "non-empty list"),
     # Each entry under the per-entry bound, their squares' sum past float32's range.
     ([{"layer": 0, "vector": [1.0] * HIDDEN, "factor": 1e19}], "has a norm beyond"),
-    ([{"layer": 0, "vector": [1.5e19] * HIDDEN}], "norm is beyond float32"),
+    ([{"layer": 0, "vector": [1.5e19] * HIDDEN}], "has a norm beyond"),
+    ([{"layer": 0, "vector": [1.0] * HIDDEN}, {"layer": -4, "vector": [2.0] * HIDDEN}], "steering[1]: block 0 is steered by two"),
 ])
 def test_a_field_the_model_cannot_take_says_why(field, reason):
     with pytest.raises(SteeringError) as raised:
@@ -98,7 +104,7 @@ def test_a_vectors_file_is_checked_when_loaded(tmp_path):
 
 def test_beam_search_is_refused_and_a_huge_vector_is_not_registered():
     """vLLM's beam search runs requests of its own (they would go unsteered); a vector whose norm overflows is kept out."""
-    from vlenvoys.serving import Vectors, rewritten
+    from vlenvoys.serve.steering import Vectors, rewritten
 
     with pytest.raises(SteeringError, match="beam search is not steered"):
         rewritten({"prompt": "x", "use_beam_search": True, "steering": [{"layer": 0, "vector": [0.5] * HIDDEN}]},
@@ -110,7 +116,7 @@ def test_beam_search_is_refused_and_a_huge_vector_is_not_registered():
 
 
 def test_a_capture_field_is_checked_and_its_layers_counted_from_the_end():
-    from vlenvoys.capturing import _reads, capture_spec
+    from vlenvoys.serve.capture import _reads, capture_spec
 
     made = capture_spec([{"value": "layer_output", "layers": [-1, 0]}, {"value": "attention_queries", "layers": "all",
                                                                          "positions": [0, -1], "dtype": "bfloat16"}], 3)
@@ -132,7 +138,7 @@ def test_a_capture_field_is_checked_and_its_layers_counted_from_the_end():
     ([{"value": "layer_output", "layers": 1}] * 17, "at most 16"),
 ])
 def test_a_capture_field_the_model_cannot_take_says_why(field, reason):
-    from vlenvoys.capturing import CaptureError, capture_spec
+    from vlenvoys.serve.capture import CaptureError, capture_spec
 
     with pytest.raises(CaptureError, match=reason) as error:
         capture_spec(field, 3)
@@ -142,7 +148,8 @@ def test_a_capture_field_the_model_cannot_take_says_why(field, reason):
 def test_decode_checks_the_size_and_reads_every_dtype():
     import base64
 
-    from vlenvoys.capturing import DTYPES, decode
+    from vlenvoys.serve.capture import DTYPES
+    from vlenvoys.serve.client import decode
 
     values = torch.randn(2, 3, 4)
     for name, dtype in DTYPES.items():
@@ -164,7 +171,7 @@ def test_an_async_http_client_works_after_import_vlenvoys():
 
 
 def test_a_capture_too_large_to_hold_names_sizes_under_a_mib_in_bytes():
-    from vlenvoys.capturing import CaptureError, Held
+    from vlenvoys.serve.capture import CaptureError, Held
 
     with pytest.raises(CaptureError, match=r"capture: 4,000 bytes of values, beyond the 1,000 bytes this server holds"):
         Held(most=1000).put({"layer_output": torch.zeros(1000)})
@@ -174,7 +181,7 @@ def test_a_capture_too_large_to_hold_names_sizes_under_a_mib_in_bytes():
 
 def test_a_held_capture_is_taken_once_and_serialized_as_safetensors():
     from safetensors.torch import load
-    from vlenvoys.capturing import CaptureGone, Held, as_file
+    from vlenvoys.serve.capture import CaptureGone, Held, as_file
 
     held = Held()
     name = held.put({"layer_output": torch.arange(6.0).view(2, 3)})

@@ -1,8 +1,8 @@
-"""The client's cached function sources (`vlenvoys.sources`): what a request ships is what it shipped before."""
+"""The client's cached function sources (`vlenvoys.engine.sources`): what a request ships is what it shipped before."""
 
 from nnsight.intervention import serialization
 
-from vlenvoys.sources import install
+from vlenvoys.engine.sources import install
 
 SCALE = 2
 

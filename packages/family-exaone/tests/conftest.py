@@ -5,8 +5,8 @@ process that starts the engine: its subject is marked ``transformers_backend`` a
 process of its own (``-m transformers_backend``), as nox's family session runs them.
 """
 
-from vlenvoys import conformance
-from vlenvoys.oracle import HFLayout
+from vlenvoys_testing import conformance
+from vlenvoys_testing.oracle import HFLayout
 
 #: transformers' EXAONE 4 names for the standard values, under one block. The block
 #: norms after each sublayer, so the contributions are the post norms' outputs and the

@@ -18,9 +18,10 @@ import torch
 from safetensors.torch import save_file
 
 import vlenvoys
-from vlenvoys import conformance, oracle, testing
-from vlenvoys.conformance import *  # noqa: F403  (the suite's tests, collected here)
-from vlenvoys.conformance import close
+import vlenvoys_testing as testing
+from vlenvoys_testing import conformance, oracle
+from vlenvoys_testing.conformance import *  # noqa: F403  (the suite's tests, collected here)
+from vlenvoys_testing.conformance import close
 
 #: transformers Llama weight names -> EXAONE 3's.
 NAMES = (

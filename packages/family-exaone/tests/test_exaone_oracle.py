@@ -7,9 +7,9 @@ import torch
 
 import vlenvoys
 import vlenvoys_exaone
-from vlenvoys import testing
-from vlenvoys.conformance import *  # noqa: F403  (the suite's tests, collected here)
-from vlenvoys.conformance import check_edit, close, host, logits_of, steering_vector
+import vlenvoys_testing as testing
+from vlenvoys_testing.conformance import *  # noqa: F403  (the suite's tests, collected here)
+from vlenvoys_testing.conformance import check_edit, close, host, logits_of, steering_vector
 
 #: The hybrid test model's sliding window (conftest's MODELS).
 WINDOW = 8

@@ -1,7 +1,7 @@
 """One vLLM engine per Gemma architecture for the session, beside transformers with the same weights."""
 
-from vlenvoys import conformance
-from vlenvoys.oracle import LLAMA_LAYOUT, HFLayout
+from vlenvoys_testing import conformance
+from vlenvoys_testing.oracle import LLAMA_LAYOUT, HFLayout
 
 #: transformers' Gemma 2 / Gemma 3 names, under one block: each sublayer's
 #: contribution is its post-norm's output, and the MLP's norm is

@@ -7,10 +7,10 @@ import torch
 
 import vlenvoys
 import vlenvoys_gemma
-from vlenvoys import testing
-from vlenvoys.conformance import *  # noqa: F403  (the suite's tests, collected here)
-from vlenvoys.conformance import close
-from vlenvoys.lens import logit_lens
+import vlenvoys_testing as testing
+from vlenvoys_testing.conformance import *  # noqa: F403  (the suite's tests, collected here)
+from vlenvoys_testing.conformance import close
+from vlenvoys.cli.lens import logit_lens
 
 
 def architecture(subject) -> str:

@@ -1,7 +1,7 @@
 """One vLLM engine per GPT-2 model for the session, beside transformers with the same weights."""
 
-from vlenvoys import conformance
-from vlenvoys.oracle import HFLayout
+from vlenvoys_testing import conformance
+from vlenvoys_testing.oracle import HFLayout
 
 #: transformers' GPT-2 names for the standard values, under one block.
 GPT2_LAYOUT = HFLayout(

@@ -2,7 +2,7 @@
 
 import vlenvoys
 import vlenvoys_gpt2
-from vlenvoys.conformance import *  # noqa: F403  (the suite's tests, collected here)
+from vlenvoys_testing.conformance import *  # noqa: F403  (the suite's tests, collected here)
 
 
 def test_registered_with_its_version():

@@ -1,8 +1,8 @@
 """One vLLM engine per model for the session, beside the transformers model with the same weights."""
 
 import pytest
-from vlenvoys import conformance
-from vlenvoys.oracle import GRANITE_LAYOUT
+from vlenvoys_testing import conformance
+from vlenvoys_testing.oracle import GRANITE_LAYOUT
 
 #: Tiny random models, one per declared architecture (test name: architecture,
 #: config overrides), and the real SmolLM2. The windowed Mistral slides a

@@ -10,9 +10,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from vlenvoys import testing
+import vlenvoys_testing as testing
 from vlenvoys.cli import app
-from vlenvoys.conformance import close, logits_of
+from vlenvoys_testing.conformance import close, logits_of
 
 on_tiny_llama = pytest.mark.parametrize("subject", ["LlamaForCausalLM"], indirect=True)
 
@@ -289,7 +289,7 @@ def test_collect_command(tiny_llama, tmp_path):
     assert (metadata["value"], json.loads(metadata["layers"]), metadata["model"]) == ("layer_output", [0, 2], str(tiny_llama))
     from transformers import AutoTokenizer
 
-    from vlenvoys import oracle
+    from vlenvoys_testing import oracle
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
     reference = oracle.load_reference(tiny_llama)

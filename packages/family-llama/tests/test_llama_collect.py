@@ -10,8 +10,9 @@ from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 
 import vlenvoys
-from vlenvoys.collect import PRIVATE, SAVED, collect, registered
-from vlenvoys.conformance import close, host, same_rows
+from vlenvoys.collect.prompts import SAVED, collect, registered
+from vlenvoys.wire.requests import PRIVATE
+from vlenvoys_testing.conformance import close, host, same_rows
 
 on_tiny_llama = pytest.mark.parametrize("subject", ["LlamaForCausalLM"], indirect=True)
 on_both = pytest.mark.parametrize("subject", ["LlamaForCausalLM", "SmolLM2"], indirect=True)
@@ -87,7 +88,7 @@ def test_values_equal_transformers_and_the_trace(subject):
 @on_tiny_llama
 def test_prompts_as_text_and_a_small_batch(subject):
     """Text prompts, fewer in flight than there are prompts, and negative layer indices."""
-    from vlenvoys import testing
+    import vlenvoys_testing as testing
 
     model = subject.model
     got = collect(model, list(testing.PROMPTS), "layer_output", [-1], batch_size=2)
@@ -164,7 +165,7 @@ def test_saves_are_asked_for_only_where_a_request_can_have_some(subject):
     assert torch.equal(host(with_edit.saves["everyone"]), host(traced))
 
 
-#: One value per path: layer_output takes the batched hooks (`vlenvoys.collector`); the pattern,
+#: One value per path: layer_output takes the batched hooks (`vlenvoys.worker.collector`); the pattern,
 #: recomputed per request, takes the block registered with nnsight.
 PATHS = {"hooks": "layer_output", "registration": "attention_probabilities"}
 
@@ -318,7 +319,7 @@ def test_repeated_collections_reuse_the_workers_memory(subject):
     """A run as large as the last one makes no new row memory: the worker reuses what the last run's values left.
 
     Each run here needs more than one chunk (64 MiB), so it can only run in the worker's memory if the
-    chunks the previous run filled are free again once its values are gone (`vlenvoys.handover.Arena`).
+    chunks the previous run filled are free again once its values are gone (`vlenvoys.worker.arena.Arena`).
     """
     import gc
     import random

@@ -1,4 +1,4 @@
-"""vlenvoys.activations: a corpus cut into windows, its values streamed to shards equal to transformers' and collect's."""
+"""vlenvoys.activations (`vlenvoys.collect.activations`): a corpus cut into windows, its values streamed to shards equal to transformers' and collect's."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from vlenvoys import oracle, testing
+import vlenvoys_testing as testing
+
+from vlenvoys_testing import oracle
 from vlenvoys.activations import Activations, collect_dataset, documents, windows
 from vlenvoys.cli import app
 from vlenvoys.collect import collect
-from vlenvoys.conformance import close, same_rows
+from vlenvoys_testing.conformance import close, same_rows
 
 on_tiny_llama = pytest.mark.parametrize("subject", ["LlamaForCausalLM"], indirect=True)
 
@@ -111,7 +113,7 @@ def test_shards_equal_transformers_and_collect(subject, full_run):
 
 @on_tiny_llama
 def test_the_worker_counts_the_time_collections_take(subject, full_run):
-    """`vlenvoys.collector.stats`, for benchmarks: hooks and takes grow with a collection; the copies off the
+    """`vlenvoys.worker.collector.stats`, for benchmarks: hooks and takes grow with a collection; the copies off the
     device are timed by CUDA events on a GPU engine only (a CPU engine copies in the hook, counted there)."""
     _, _, _, cut = full_run
     engine = subject.model.vllm_entrypoint.llm_engine
@@ -170,7 +172,7 @@ def test_batches_give_each_row_once(subject, full_run):
 def test_an_interrupted_run_continues_after_its_last_complete_shard(subject, full_run, tmp_path, monkeypatch):
     folder, source, _, cut = full_run
     out = tmp_path / "acts"
-    from vlenvoys import activations
+    from vlenvoys.collect import activations
 
     deliver, delivered = activations._Assembler.deliver, []
 
@@ -386,7 +388,7 @@ def test_windows_hold_the_tokenizers_own_ids(which, tmp_path):
     other scripts and whitespace; a tokenizer whose call prepares text in Python is called as it is."""
     from transformers import AutoTokenizer
 
-    from vlenvoys.activations import CHECKED_TEXTS, _Tokenizing
+    from vlenvoys.collect.activations import CHECKED_TEXTS, _Tokenizing
     from vlenvoys.weights import WeightsUnavailable, smollm2_path
 
     if which == "tiny":

@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from nnsight.intervention.interleaver import OutOfOrderError
 from test_llama_safety import plain_generation, within
-from vlenvoys.oracle import VALUES
+from vlenvoys.values.names import VALUES
 
 #: Examples per fuzz test in CI, and what ``VLENVOYS_FUZZ_EXAMPLES`` sets instead.
 EXAMPLES = {"trace": 200, "serve": 120}

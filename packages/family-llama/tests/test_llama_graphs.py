@@ -1,7 +1,7 @@
 """An engine that replays CUDA graphs (``vlenvoys.load(..., cuda_graphs=True)``): steering and collection on it.
 
 Its decode steps replay graphs captured with the steering hooks of every
-block in them (`vlenvoys.steering.Steerer`); each step's plan reaches the
+block in them (`vlenvoys.worker.steerer.Steerer`); each step's plan reaches the
 replay through buffers at fixed addresses. On the CPU engine, which has no
 graphs, these tests run the same hooks eagerly; on a GPU they check the
 replays (GPU_RESULTS.md).
@@ -13,9 +13,12 @@ import pytest
 import torch
 
 import vlenvoys
-from vlenvoys import oracle, testing
-from vlenvoys.conformance import close, same_rows, steered_in_a_trace
-from vlenvoys.steering import KEY, REFUSED
+import vlenvoys_testing as testing
+from vlenvoys_testing import oracle
+from vlenvoys_testing.conformance import close, same_rows, steered_in_a_trace
+from vlenvoys.wire.requests import STEER_KEY as KEY
+from vlenvoys.wire.steering import Entry, text
+from vlenvoys.worker.steerer import REFUSED
 
 on_llama = pytest.mark.parametrize("subject", ["LlamaForCausalLM"], indirect=True)
 STEPS = 6
@@ -93,7 +96,9 @@ def test_a_stream_the_steering_overflows_is_left_unsteered_and_refused(graph_eng
     params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=1)
     prompt = [1, 5, 9, 13, 17]
     before = logprobs_of(vlenvoys.generate(graph_engine, [prompt], params, use_tqdm=False)[0])
-    spec = {"layers": [0, 1, 2], "vector": [3e38] * graph_engine.hidden_size, "positions": None}
+    # In the wire format, past the check every client makes (`vlenvoys.wire.steering.entry`).
+    huge = torch.full((graph_engine.hidden_size,), 3e38).numpy().tobytes()
+    spec = text([Entry((0, 1, 2), huge, None)])
     overflowing = SamplingParams(max_tokens=STEPS, ignore_eos=True, extra_args={KEY: spec})
     (output,) = graph_engine.vllm_entrypoint.generate([{"prompt_token_ids": prompt}], overflowing, use_tqdm=False)
     answers = graph_engine.vllm_entrypoint.llm_engine.collective_rpc("vlenvoys_steer_failures", args=([output.request_id],))

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from vlenvoys.testing import tiny_model
+from vlenvoys_testing import tiny_model
 
 KINDS = ["collect", "trace", "collect_dataset", "generate"]
 #: Interrupted twice: the second Ctrl-C comes while the first one's requests are wound up.

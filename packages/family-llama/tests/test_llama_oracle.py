@@ -1,7 +1,7 @@
 """The oracle suite (every value, every layer, edits) on the Llama family's models."""
 
 import vlenvoys
-from vlenvoys.conformance import *  # noqa: F403  (the suite's tests, collected here)
+from vlenvoys_testing.conformance import *  # noqa: F403  (the suite's tests, collected here)
 
 
 def test_families_lists_llama():

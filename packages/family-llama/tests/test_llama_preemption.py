@@ -23,11 +23,12 @@ import torch
 from vllm import SamplingParams
 
 import vlenvoys
-from vlenvoys import oracle, testing
+import vlenvoys_testing as testing
+from vlenvoys_testing import oracle
 from vlenvoys.activations import Activations, collect_dataset
 from vlenvoys.capturing import decode
 from vlenvoys.collect import collect
-from vlenvoys.conformance import host
+from vlenvoys_testing.conformance import host, same_rows
 
 #: The cache's tokens, in blocks of `BLOCK`: more than one request of `MAX_LEN` needs, less than three.
 BLOCK, CACHE_TOKENS, MAX_LEN = 32, 384, 256
@@ -99,6 +100,15 @@ def idle(model) -> bool:
     return not engine.has_unfinished_requests() and engine.collective_rpc("nnsight_request_count") == [0]
 
 
+def same_logprobs(got, want) -> bool:
+    """Log-probabilities of the same tokens: equal on the CPU engine, within float32's bound on a GPU (`same_rows`)."""
+    if isinstance(got, list) and got and isinstance(got[0], dict):
+        if [sorted(step) for step in got] != [sorted(step) for step in want]:
+            return False
+        got, want = [step[token] for step in got for token in sorted(step)], [step[token] for step in want for token in sorted(step)]
+    return len(got) == len(want) and same_rows(torch.tensor(got), torch.tensor(want))
+
+
 def test_collect_reads_each_row_once(model):
     """Prompts preempted mid-prefill and recomputed from position 0: each row once, as read alone."""
     values, layers = ["layer_output", "mlp_neurons", "attention_output"], [0, 2]
@@ -111,7 +121,7 @@ def test_collect_reads_each_row_once(model):
     for key in want:
         for index, prompt in enumerate(LONG):
             assert got[key][index].shape[:2] == (1, len(prompt)), (key, index)
-            assert torch.equal(got[key][index], want[key][index]), (key, index)
+            assert same_rows(got[key][index], want[key][index]), (key, index)
 
 
 def test_collect_of_values_no_hook_reads_is_refused_when_chunked(model):
@@ -122,7 +132,7 @@ def test_collect_of_values_no_hook_reads_is_refused_when_chunked(model):
     want = collect(model, SHORT, "attention_probabilities", [1], batch_size=1)
     got = collect(model, SHORT, "attention_probabilities", [1], batch_size=len(SHORT))  # short prompts: no chunks
     pairs = zip(got["attention_probabilities.1"], want["attention_probabilities.1"], strict=True)
-    assert all(torch.equal(one, other) for one, other in pairs)
+    assert all(same_rows(one, other) for one, other in pairs)
     with pytest.raises(RuntimeError, match="collect.s block could not read it whole"):
         collect(model, LONG, "attention_probabilities", [1], batch_size=len(LONG))
     assert idle(model)
@@ -146,7 +156,7 @@ def test_collect_dataset_equals_an_unpressured_run(model, tiny, tmp_path):
         expected, read = want.shard(index), got.shard(index)
         assert read.keys() == expected.keys()
         for key in expected:
-            assert torch.equal(read[key], expected[key]), (index, key)
+            assert same_rows(read[key], expected[key]), (index, key)
 
 
 def steered(model, prompts, steering, steps=STEPS) -> list:
@@ -170,7 +180,7 @@ def test_steered_generation_equals_an_unpressured_run(model):
     assert alone.count == 0 and pressed.count > 0, (alone.count, pressed.count)
     for index, (one, other) in enumerate(zip(got, want, strict=True)):
         assert list(one.outputs[0].token_ids) == list(other.outputs[0].token_ids), index
-        assert logprobs_of(one) == logprobs_of(other), index
+        assert same_logprobs(logprobs_of(one), logprobs_of(other)), index
 
 
 def traced_steps(model, prompts) -> list[list[torch.Tensor]]:
@@ -200,7 +210,7 @@ def test_a_trace_under_tracer_iter_is_refused_by_name_and_the_engine_goes_on(mod
     assert idle(model)
     # The engine goes on: the same trace, a request at a time, gives the same steps.
     again = traced_steps(model, SHORT[:1])[0]
-    assert len(again) == STEPS and all(torch.equal(one, other) for one, other in zip(again, want[0], strict=True))
+    assert len(again) == STEPS and all(same_rows(one, other) for one, other in zip(again, want[0], strict=True))
 
 
 def test_a_trace_whose_block_ended_before_the_preemption_keeps_its_values(model):
@@ -219,7 +229,7 @@ def test_a_trace_whose_block_ended_before_the_preemption_keeps_its_values(model)
     with Counted(lambda: preemptions(model)) as pressed:
         got = prompt_streams(SHORT)
     assert alone.count == 0 and pressed.count > 0, (alone.count, pressed.count)
-    assert all(torch.equal(one, other) for one, other in zip(got, want, strict=True))
+    assert all(same_rows(one, other) for one, other in zip(got, want, strict=True))
     assert idle(model)
 
 
@@ -268,19 +278,22 @@ def test_served_capture_of_prompt_and_generated_positions(server):
     with Counted(lambda: served_preemptions(url)) as alone:
         want = [completion(url, prompt) for prompt in SHORT]
     # Requests sent over HTTP from threads may reach the engine apart on a loaded machine, too few at once for
-    # a preemption: the run is tried again, up to three times, and the last one's values are checked.
-    for _ in range(3):
-        with Counted(lambda: served_preemptions(url)) as pressed, ThreadPoolExecutor(len(SHORT)) as pool:
-            got = list(pool.map(lambda prompt: completion(url, prompt), SHORT))
+    # a preemption (three must run together): each prompt is sent twice at once, 12 requests, and the run is
+    # tried again up to five times; the last one's values are checked.
+    pressing = SHORT * 2
+    for _ in range(5):
+        with Counted(lambda: served_preemptions(url)) as pressed, ThreadPoolExecutor(len(pressing)) as pool:
+            got = list(pool.map(lambda prompt: completion(url, prompt), pressing))
         if pressed.count > 0:
             break
     assert alone.count == 0 and pressed.count > 0, (alone.count, pressed.count)
-    for index, (one, other) in enumerate(zip(got, want, strict=True)):
+    for index, (one, other) in enumerate(zip(got, want * 2, strict=True)):
+        index %= len(SHORT)
         assert one["choices"][0]["logprobs"]["tokens"] == other["choices"][0]["logprobs"]["tokens"], index
-        assert one["choices"][0]["logprobs"]["token_logprobs"] == other["choices"][0]["logprobs"]["token_logprobs"]
+        assert same_logprobs(one["choices"][0]["logprobs"]["token_logprobs"], other["choices"][0]["logprobs"]["token_logprobs"])
         rows = len(SHORT[index]) + STEPS - 1  # the last token sampled is never fed back
         for entry, expected in zip(one["capture"], other["capture"], strict=True):
             assert entry["shape"] == expected["shape"], (index, entry["value"])
-            assert torch.equal(decode(entry), decode(expected)), (index, entry["value"])
+            assert same_rows(decode(entry), decode(expected)), (index, entry["value"])
         assert one["capture"][0]["shape"][:2] == [2, rows]
         assert one["capture"][1]["shape"][:2] == [1, STEPS - 1]

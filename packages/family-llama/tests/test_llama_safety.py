@@ -17,8 +17,9 @@ import pytest
 import torch
 
 import vlenvoys
-from vlenvoys import oracle, testing
-from vlenvoys.conformance import difference_of, record, same_rows
+import vlenvoys_testing as testing
+from vlenvoys_testing import oracle
+from vlenvoys_testing.conformance import difference_of, record, same_rows
 
 SAFETY_MODELS = ["LlamaForCausalLM", "SmolLM2"]
 on_safety_models = pytest.mark.parametrize("subject", SAFETY_MODELS, indirect=True)
@@ -507,10 +508,11 @@ def test_a_steering_the_engine_cannot_read_is_refused_and_the_engine_goes_on(cac
     """A hand-made ``extra_args`` steering (a block the model lacks) is refused by name, not raised in the worker."""
     from vllm import SamplingParams
 
-    from vlenvoys.steering import KEY
+    from vlenvoys.wire.requests import STEER_KEY as KEY
+    from vlenvoys.wire.steering import Entry, text
 
     model = caching_engine
-    spec = {"layers": [7], "vector": [1.0] * model.hidden_size, "positions": None}
+    spec = text([Entry((7,), torch.ones(model.hidden_size).numpy().tobytes(), None)])  # past every client's check
     params = SamplingParams(temperature=0.0, max_tokens=2, extra_args={KEY: spec})
     (output,) = model.vllm_entrypoint.generate(["The sun"], params, use_tqdm=False)
     (refused, *_) = model.vllm_entrypoint.llm_engine.collective_rpc("vlenvoys_steer_failures", args=([output.request_id],))

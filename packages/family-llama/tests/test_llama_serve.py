@@ -19,10 +19,10 @@ from unittest import mock
 import pytest
 import torch
 import vlenvoys
-from vlenvoys import testing
-from vlenvoys.conformance import TOLERANCE, greedy_steps, record, same_steps
-from vlenvoys.engine import _TRITON_F32
-from vlenvoys.serving import anyio_classes_first
+import vlenvoys_testing as testing
+from vlenvoys_testing.conformance import TOLERANCE, greedy_steps, record, same_steps
+from vlenvoys.engine.loading import TRITON_F32
+from vlenvoys.serve.server import anyio_classes_first
 
 anyio_classes_first()  # the openai client's anyio classes, defined under nnsight's .save mount otherwise
 
@@ -60,7 +60,7 @@ def started_server(tmp_path_factory):
         "--vectors", str(folder / "vectors.safetensors"), "--chat-template", str(folder / "chat.jinja"),
         "--served-model-name", "tiny", "--enable-scale-out",
         "--capture-ttl", str(HELD_SECONDS), "--capture-held-bytes", str(HELD_BYTES),
-        # On a GPU, beside the session's engine: a share as small as the test engines' (vlenvoys.oracle.engine).
+        # On a GPU, beside the session's engine: a share as small as the test engines' (vlenvoys_testing.oracle.engine).
         *(["--gpu-memory-utilization", "0.08", "--kv-cache-memory-bytes", str(1 << 30)] if torch.cuda.is_available() else []),
     ]
     # oneDNN's primitive cache off in the server's engine (the CPU's matrix products): it takes entries for every
@@ -100,7 +100,7 @@ def generated(model, ids, steering=None) -> list[tuple[int, float]]:
 
 
 def same_as_alone(got, want, what: str) -> bool:
-    """A request served beside others against the same request alone (`vlenvoys.conformance.same_steps`)."""
+    """A request served beside others against the same request alone (`vlenvoys_testing.conformance.same_steps`)."""
     return same_steps(got, want, "LlamaForCausalLM (vlenvoys serve)", what)
 
 
@@ -123,7 +123,7 @@ def test_a_plain_completion_is_plain_vllms(server, client, prompts, monkeypatch)
     """No steering: token ids and log-probabilities as vLLM's own engine (no vlenvoys) gives them on the weights.
 
     Bit-identical on the CPU engine; on a GPU within the oracle's bound (`same_as_alone`), with the
-    full-float32 Triton dots vlenvoys gives a float32 engine (`vlenvoys.engine._float32_kernels`; vLLM's
+    full-float32 Triton dots vlenvoys gives a float32 engine (`vlenvoys.engine.loading.float32_kernels`; vLLM's
     default TF32 dots put its log-probabilities 1.2e-3 away, measured on an H200).
     """
     from vllm import LLM, SamplingParams
@@ -131,7 +131,7 @@ def test_a_plain_completion_is_plain_vllms(server, client, prompts, monkeypatch)
 
     from vllm.platforms import current_platform
 
-    monkeypatch.setenv(_TRITON_F32, "ieee")
+    monkeypatch.setenv(TRITON_F32, "ieee")
 
     # On a GPU, a small share as the test engines take (vLLM's default 0.92 fails beside them).
     share = {"gpu_memory_utilization": 0.08} if current_platform.is_cuda_alike() else {}
@@ -169,7 +169,7 @@ def test_a_steered_completion_equals_vlenvoys_generate(subject, server, client, 
 def steered_by_a_trace(model, ids, prompt_steers, generated_steers):
     """Greedy (token, log-probability) of ``ids`` with ``model.steer(layer, vector, factor)`` for each of
     ``prompt_steers`` at the prefill step and each of ``generated_steers`` at the decode steps."""
-    from vlenvoys.conformance import host
+    from vlenvoys_testing.conformance import host
 
     with model.trace(ids, temperature=0.0, max_tokens=STEPS, ignore_eos=True) as tracer:
         logits = list().save()
@@ -265,10 +265,10 @@ def prompts(server):
 MALFORMED = [
     ({"steering": [{"value": "layer_oops", "layer": 1, "vector": "up"}]}, "unknown value 'layer_oops'"),
     ({"steering": [{"value": "mlp_output", "layer": 1, "vector": "up"}]}, "'mlp_output' is not served yet"),
-    ({"steering": [{"layer": 1, "vector": [1.0] * 127}]}, "expected 128 numbers"),
+    ({"steering": [{"layer": 1, "vector": [1.0] * 127}]}, "expected shape [128]"),
     ({"steering": [{"layer": 1, "vector": [float("nan")] * 128}]}, "NaN or infinite"),
     ({"steering": [{"layer": 1, "vector": [1e39] + [0.0] * 127}]}, "NaN or infinite"),
-    ({"steering": [{"layer": 3, "vector": "up"}]}, "block 3 does not exist; the model has blocks 0 to 2"),
+    ({"steering": [{"layer": 3, "vector": "up"}]}, "block 3 does not exist: the model has blocks 0 to 2"),
     ({"steering": [{"layer": -4, "vector": "up"}]}, "block -4 does not exist"),
     ({"steering": [{"layer": 1, "vector": "sideways"}]}, "no vector is registered as 'sideways'"),
     ({"steering": [{"layer": 1, "vector": "up", "factor": 1e30}]}, "beyond"),
@@ -341,10 +341,10 @@ def test_steering_set_by_hand_on_another_path_is_refused(subject, server, prompt
     """
     import httpx
 
-    from vlenvoys.serving import VECTORS, steering_spec, salt_of
+    from vlenvoys.serve.steering import VECTORS, steering_spec
+    from vlenvoys.wire.steering import salt_of
 
-    spec = json.dumps(steering_spec({"layer": 1, "vector": vector_of(1).tolist()}, 128, 3, torch.float32, VECTORS),
-                      separators=(",", ":"))
+    spec = steering_spec({"layer": 1, "vector": vector_of(1).tolist()}, 128, 3, torch.float32, VECTORS)
     headers = {"Authorization": f"Bearer {KEY}"}
     params = {"max_tokens": 2, "temperature": 0.0, "extra_args": {"vlenvoys_steer": spec}}
     request = {"model": server["model"], "token_ids": prompts[0], "sampling_params": params}
@@ -474,7 +474,7 @@ def test_a_soak_of_mixed_concurrent_requests_loses_none(server, prompts):
 def traced_values(model, ids, reads, steer=None, steps=1):
     """A trace's reads of ``ids`` over ``steps`` steps, ``{(value, layer): [1, rows, ...]}`` (the prompt's rows, then
     one row a decode step), with ``model.steer(*steer)`` first at every step."""
-    from vlenvoys.oracle import VALUES
+    from vlenvoys.values.names import VALUES
 
     order = {name: number for number, (_, name) in enumerate(VALUES)}
     owners = dict((name, owner) for owner, name in VALUES)
@@ -486,14 +486,14 @@ def traced_values(model, ids, reads, steer=None, steps=1):
             for value, layer in sorted(reads, key=lambda read: (read[1], order[read[0]])):
                 block = model.layers[layer]
                 got[value, layer, step] = getattr(block if owners[value] == "layer" else getattr(block, owners[value]), value)
-    from vlenvoys.conformance import host
+    from vlenvoys_testing.conformance import host
 
     return {read: torch.cat([host(got[(*read, step)]) for step in range(steps)], dim=1) for read in reads}
 
 
 def assert_same_values(got, want, what, exact):
     """Bit-identical where both runs have the same kernels (the CPU engine, no steering); else the oracle's bound."""
-    from vlenvoys.conformance import host
+    from vlenvoys_testing.conformance import host
 
     want = host(want).to(got.dtype)
     assert got.shape == want.shape, (what, got.shape, want.shape)
@@ -649,6 +649,73 @@ def test_a_capture_is_fetched_once_and_an_unknown_id_is_a_404(server, client):
     plain = client.completions.create(model=server["model"], prompt="The cat", max_tokens=2,
                                       extra_body={"capture": None, "capture_transport": "fetch"})
     assert plain.usage.completion_tokens == 2 and "capture" not in (plain.model_extra or {})
+
+
+def test_several_captures_are_fetched_in_one_request(server, client, prompts):
+    """Raw HTTP: ``GET /v1/captures?ids=a,b,...`` answers each held capture's tensors as ``{id}/{value}``, bit for
+    bit the inline values of the same request, and names the ids it does not hold, and why, in its metadata."""
+    import json
+    import struct
+
+    import httpx
+    from safetensors.torch import load
+    from vlenvoys.capturing import FETCH_TOGETHER, decode
+
+    capture = [{"value": "layer_output", "layers": [0, 2]}, {"value": "mlp_output", "layers": 1, "positions": "last"}]
+    held = [captured(client, server, ids, capture, "fetch").model_extra["capture"] for ids in prompts[:2]]
+    inline = [captured(client, server, ids, capture).model_extra["capture"] for ids in prompts[:2]]
+    names = [entries[0]["id"] for entries in held]
+    url, headers = f"{server['url']}/v1/captures", {"Authorization": f"Bearer {KEY}"}
+    assert httpx.get(url, params={"ids": ",".join(names)}, timeout=60).status_code == 401, "behind --api-key"
+    answer = httpx.get(url, params={"ids": ",".join([*names, "0123abcd"])}, headers=headers, timeout=60)
+    assert answer.status_code == 200 and answer.headers["content-type"] == "application/octet-stream", answer.text
+    tensors = load(answer.content)
+    assert sorted(tensors) == sorted(f"{name}/{value}" for name in names for value in ("layer_output", "mlp_output"))
+    for name, entries in zip(names, inline, strict=True):
+        for entry in entries:
+            got, want = tensors[f"{name}/{entry['value']}"], decode(entry)
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (name, entry["value"])
+    (size,) = struct.unpack("<Q", answer.content[:8])
+    gone = json.loads(json.loads(answer.content[8 : 8 + size])["__metadata__"]["gone"])
+    assert list(gone) == ["0123abcd"] and "never held here" in gone["0123abcd"]
+    again = httpx.get(url, params={"ids": names[0]}, headers=headers, timeout=60)
+    assert again.status_code == 200 and load(again.content) == {}, "a capture is served once"
+    assert "fetched already" in json.loads(json.loads(again.content[8 : 8 + struct.unpack("<Q", again.content[:8])[0]])[
+        "__metadata__"]["gone"])[names[0]]
+    for ids in ("", ",".join(["0123abcd"] * (FETCH_TOGETHER + 1))):
+        refused = httpx.get(url, params={"ids": ids}, headers=headers, timeout=60)
+        assert refused.status_code == 400 and "capture ids, comma-separated" in refused.json()["error"]["message"]
+
+
+def test_concurrent_fetches_on_one_client_are_gathered(server, client, prompts):
+    """24 responses fetched at once with `fetch_async` on one ``httpx.AsyncClient``: a few requests, not 24 (one
+    round trip each cost served capture more than its values, #45), and each response gets its own values."""
+    import httpx
+    from vlenvoys.capturing import CaptureGone, fetch, fetch_async
+
+    capture = [{"value": "layer_output", "layers": [0, 2]}, {"value": "mlp_output", "layers": 1, "positions": "all"}]
+    firsts = prompts[:4]
+    alone = [fetch(server["url"], captured(client, server, ids, capture, "fetch"), api_key=KEY) for ids in firsts]
+    # Each capture holds a few KiB: the 24 fit the server's hold of `HELD_BYTES`.
+    answers = [captured(client, server, firsts[number % 4], capture, "fetch") for number in range(24)]
+    requests = []
+
+    async def note(request):
+        requests.append(request)
+
+    async def all_at_once():
+        async with httpx.AsyncClient(timeout=60, event_hooks={"request": [note]}) as http:
+            got = await asyncio.gather(*(fetch_async(server["url"], answer, api_key=KEY, client=http)
+                                         for answer in answers))
+            with pytest.raises(CaptureGone, match="fetched already"):  # each id's own reason, through a gathered fetch
+                await fetch_async(server["url"], answers[0], api_key=KEY, client=http)
+            return got
+
+    for number, got in enumerate(asyncio.run(all_at_once())):
+        for value, tensor, expected in zip(("layer_output", "mlp_output"), got, alone[number % 4], strict=True):
+            assert_same_values(tensor, expected, f"response {number}: {value}", exact_here())
+    assert 2 <= len(requests) <= 5, [str(request.url) for request in requests]
+    assert all(request.url.path == "/v1/captures" and "ids" in request.url.params for request in requests)
 
 
 def test_an_unfetched_capture_expires_after_the_ttl(server, client):

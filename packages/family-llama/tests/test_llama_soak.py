@@ -10,26 +10,17 @@ and the private memory of the server, this process and its engine must level off
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import torch
 from test_llama_serve import KEY, exact_here, on_llama
-from vlenvoys.conformance import TOLERANCE, record
+from vlenvoys_testing import script
+from vlenvoys_testing.conformance import TOLERANCE, record
 
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def soak_module():
-    spec = importlib.util.spec_from_file_location("vlenvoys_soak", ROOT / "benchmarks" / "soak.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-soak = soak_module()
+soak = script(ROOT / "benchmarks" / "soak.py")
 REQUESTS, ROUNDS, IN_FLIGHT = 320, 4, 16
 #: MiB a private series may grow over the last two rounds (160 requests): 150 KB a request, a gross leak (a
 #: request's block state or its captured rows kept). The long soak (16 MiB over 1,000 requests) finds the smaller

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import vlenvoys
-from vlenvoys import oracle, testing
-from vlenvoys.conformance import TOLERANCE, close, logits_of, read_all, record, served
+import vlenvoys_testing as testing
+from vlenvoys_testing import oracle
+from vlenvoys_testing.conformance import TOLERANCE, close, logits_of, read_all, record, served
 
 NAME = "LlamaForCausalLM-on-transformers"
 pytestmark = pytest.mark.transformers_backend

@@ -6,8 +6,8 @@ pytest process of their own (``-m transformers_backend``), GPT-J's in the other 
 transformers_backend"``), as nox's family session runs them.
 """
 
-from vlenvoys import conformance
-from vlenvoys.oracle import HFLayout
+from vlenvoys_testing import conformance
+from vlenvoys_testing.oracle import HFLayout
 
 #: transformers' GPT-J names for the standard values, under one block: one norm (ln_1) feeds both sublayers.
 GPTJ_LAYOUT = HFLayout(

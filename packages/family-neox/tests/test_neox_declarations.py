@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import vlenvoys
-from vlenvoys import testing
-from vlenvoys.engine import resolve_checkpoint
+import vlenvoys_testing as testing
+from vlenvoys.values.family import resolve_checkpoint
 
 
 @pytest.mark.parametrize("parallel", [True, False])

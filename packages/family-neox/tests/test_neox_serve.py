@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 import vlenvoys
-from vlenvoys import testing
-from vlenvoys.conformance import TOLERANCE, greedy_steps, host, record, same_steps
-from vlenvoys.serving import anyio_classes_first
+import vlenvoys_testing as testing
+from vlenvoys_testing.conformance import TOLERANCE, greedy_steps, host, record, same_steps
+from vlenvoys.serve.server import anyio_classes_first
 
 anyio_classes_first()  # the openai client's anyio classes, defined under nnsight's .save mount otherwise
 

@@ -8,7 +8,10 @@
 
 from .collect import collect
 from .engine import StandardizedVLLM, load, on_transformers_backend, shutdown
-from .envoys import (
+from .errors import DECODE_STEP, FUSED_ROUTING, GATED, NOT_ROUTED, PARALLEL, ROUTED, InvalidWrite, NoSuchBlock, Preempted, ReadOnly, SkipRefused, Unavailable, UnknownArchitecture
+from .steer import Steering, generate
+from .values import Derived, Experts, Flat, Heads, KeyValueHeads, Neurons, Pattern, Residual, Routes, argument, batched, summed, summed_output, unbatched, with_argument
+from .values.envoys import (
     Attention,
     FusedLayer,
     Layer,
@@ -19,11 +22,8 @@ from .envoys import (
     TransformersLayer,
     TransformersMlp,
 )
-from .errors import DECODE_STEP, FUSED_ROUTING, GATED, NOT_ROUTED, PARALLEL, ROUTED, InvalidWrite, NoSuchBlock, Preempted, ReadOnly, SkipRefused, Unavailable, UnknownArchitecture
-from .family import BACKBONE_NAMES, TIED_BACKBONE_NAMES, Architecture, ByConfig, Family, InstalledFamily, families
-from .steering import Steering, generate
-from .support import Support, support
-from .values import Derived, Experts, Flat, Heads, KeyValueHeads, Neurons, Pattern, Residual, Routes, argument, batched, summed, summed_output, unbatched, with_argument
+from .values.family import BACKBONE_NAMES, TIED_BACKBONE_NAMES, Architecture, ByConfig, Family, InstalledFamily, families
+from .values.support import Support, support
 from .version import __version__
 
 __all__ = [
@@ -86,7 +86,7 @@ __all__ = [
 # nnsight mounts ``.save`` on every object when imported, and anyio then refuses to define its
 # typed-attribute classes (imported by httpx's async transport, so by openai's AsyncOpenAI): an
 # async client in a process that imported vlenvoys failed. They are defined here with the mount lifted.
-from .serving import anyio_classes_first as _anyio_classes_first  # noqa: E402
+from .serve.server import anyio_classes_first as _anyio_classes_first  # noqa: E402
 
 _anyio_classes_first()
 

@@ -1,0 +1,192 @@
+"""`vlenvoys.load`: vLLM started on a checkpoint with its family's envoys, and the engine settings it chooses."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from ..values.family import resolve_checkpoint
+from ..weights import smollm2_path
+from .model import StandardizedVLLM
+
+__all__ = ["CPU_KV_CACHE_BYTES", "TRITON_F32", "cpu_ranks", "engine_defaults", "float32_kernels", "graph_defaults", "load"]
+
+#: KV-cache size the CPU engine reserves unless told otherwise: vLLM's default
+#: fraction of a NUMA node is more than a small machine has free.
+CPU_KV_CACHE_BYTES = 1 << 30
+
+
+def load(model: str | os.PathLike | None = None, *, cuda_graphs: bool = False, **engine_kwargs: Any) -> StandardizedVLLM:
+    """Start vLLM on ``model`` and return it ready to trace with the standard values.
+
+    Args:
+        model: A local checkpoint folder or a hub name; None loads the built-in
+            real model, SmolLM2-135M-Instruct (see `vlenvoys.weights`).
+        **engine_kwargs: vLLM engine arguments (``dtype``, ``max_model_len``,
+            ``tensor_parallel_size``, ...) and nnsight ``VLLM`` arguments. On
+            every platform the dtype defaults to the checkpoint's own (float32
+            where it names none; vLLM would otherwise run float32 checkpoints
+            in half precision); on a GPU a float32 engine's Triton kernels run
+            in full float32 (see `float32_kernels`); on the CPU engine the KV
+            cache defaults to 1 GiB. Prefix caching is on, as on stock vLLM, for
+            plain requests: a traced, collected or steered request carries a
+            cache salt (`salted`), so it never reads a cached prefix (its
+            values would be short) nor leaves one (its edits would spill).
+        cuda_graphs: Replay CUDA graphs of the decode steps, as plain vLLM
+            does, for `vlenvoys.generate`'s steering and `vlenvoys.collect` at
+            engine speed. The forward is captured as it runs eagerly (vLLM's
+            compilation mode ``NONE``, graphs of pure decode steps only:
+            ``FULL_DECODE_ONLY``), with the steering hooks of every block in
+            it; prefill steps run eagerly. Traces, whose hooks a replay would
+            skip, are refused on such an engine (NotImplementedError). On the
+            CPU engine, which has no graphs, it changes nothing but that.
+
+    Raises:
+        UnknownArchitecture: no installed family declares the model's architecture.
+        ValueError: ``cuda_graphs=True`` with ``enforce_eager``, or with a
+            compilation mode other than ``NONE`` (torch.compile would trace
+            away the Python hooks that serve the values); nnsight's ``taps=``.
+    """
+    if engine_kwargs.get("taps"):
+        # Measured on an H200 (nnsight 0.8.1): under taps= a 6-step generation's trace recorded 1 row,
+        # decode-step steering vanished, and the standard values are read where no tap is.
+        raise ValueError(
+            "vlenvoys does not run nnsight's taps=: its graph replays skip the reads and edits of every location "
+            "without a tap, so a trace would serve fewer rows than it asked for. Load with cuda_graphs=True for "
+            "steered generation and collection with CUDA graphs, or without either for traces"
+        )
+    if cuda_graphs:
+        graph_defaults(engine_kwargs)
+    if model is None:
+        model = smollm2_path()
+    model = str(model)
+    installed, name, architecture = resolve_checkpoint(model, engine_kwargs)
+    engine_defaults(model, engine_kwargs)
+    # On, as on stock vLLM: plain requests share cached prefixes; traced, collected and steered
+    # requests carry cache salts of their own (`salted`), so none of them reads or leaves one.
+    engine_kwargs.setdefault("enable_prefix_caching", True)
+    with cpu_ranks(engine_kwargs.get("tensor_parallel_size", 1)), float32_kernels(engine_kwargs["dtype"]):
+        loaded = StandardizedVLLM(
+            model, dispatch=True, architecture=architecture, cuda_graphs=bool(cuda_graphs), **engine_kwargs
+        )
+    loaded.family, loaded.architecture_name = installed, name
+    # The keys each envoy has as the model is handed over, as the worker's have them (`_travels_by_path`).
+    loaded._built_keys = {}
+    loaded._built_keys.update((envoy.path, frozenset(envoy.__dict__)) for envoy in loaded.modules())
+    return loaded
+
+
+def graph_defaults(engine_kwargs: dict) -> None:
+    from vllm.config import CompilationConfig, CompilationMode
+
+    if "enforce_eager" in engine_kwargs:
+        raise ValueError("cuda_graphs=True replays graphs; drop enforce_eager (or load without cuda_graphs)")
+    config = engine_kwargs.get("compilation_config")
+    if config is None:
+        config = {}
+    if isinstance(config, dict):
+        config = {"mode": CompilationMode.NONE, "cudagraph_mode": "FULL_DECODE_ONLY", **config}
+        mode = config["mode"]
+    else:
+        mode = config.mode if isinstance(config, CompilationConfig) else config  # vLLM also takes a mode alone
+    if _compilation_mode(mode) != CompilationMode.NONE:
+        raise ValueError(
+            f"cuda_graphs=True captures the eager forward (compilation mode NONE), got mode {mode!r}: "
+            "torch.compile would trace away the Python hooks that steer and read the values"
+        )
+    engine_kwargs["compilation_config"] = config
+
+
+def _compilation_mode(mode: Any) -> Any:
+    """vLLM's ``CompilationMode`` named by ``mode`` (a member, its number, or its name as a string); None if none."""
+    from vllm.config import CompilationMode
+
+    if isinstance(mode, str):
+        if mode.upper() in CompilationMode.__members__:
+            return CompilationMode[mode.upper()]
+        mode = int(mode) if mode.isdigit() else mode
+    try:
+        return CompilationMode(mode)
+    except ValueError:
+        return None
+
+
+def engine_defaults(model: str, engine_kwargs: dict) -> None:
+    from vllm.platforms import current_platform
+
+    # vLLM downcasts float32 checkpoints to half precision unless told otherwise
+    # (bfloat16 on the CPU, float16 or bfloat16 on a GPU): keep the checkpoint's
+    # own dtype, on every platform, and float32 where it names none.
+    config = Path(model) / "config.json"
+    settings = json.loads(config.read_text()) if config.is_file() else {}
+    engine_kwargs.setdefault("dtype", settings.get("dtype") or settings.get("torch_dtype") or "float32")
+    if current_platform.is_cpu() and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        engine_kwargs.setdefault("kv_cache_memory_bytes", CPU_KV_CACHE_BYTES)
+
+
+#: Triton's default precision for a dot product of float32 inputs (``tl.dot``).
+TRITON_F32 = "TRITON_F32_DEFAULT"
+
+
+@contextlib.contextmanager
+def float32_kernels(dtype: Any) -> Iterator[None]:
+    """Run a float32 engine's Triton kernels in full float32, where the user chose nothing.
+
+    vLLM's Triton attention computes its dot products with ``tl.dot``, which
+    on an NVIDIA GPU rounds float32 inputs to TF32 (10 bits of mantissa)
+    unless told otherwise. Measured on an H200 (tiny Llama, float32): with
+    TF32 dots the stream is 1.7e-3 away from transformers' (5.6e-4 of its
+    magnitude) from block 1 on; with ``TRITON_F32_DEFAULT=ieee``, which makes
+    those dots full float32, every value of every family is within 3e-6 of
+    its magnitude, as on the CPU engine (another attention backend set by
+    environment variable changed nothing: its kernels are Triton's too). vLLM's
+    engine and worker processes inherit it when they start; this process's
+    environment is restored afterwards. Half-precision engines are untouched.
+    """
+    from vllm.platforms import current_platform
+
+    if str(dtype).removeprefix("torch.") != "float32" or current_platform.is_cpu() or os.environ.get(TRITON_F32):
+        yield
+        return
+    os.environ[TRITON_F32] = "ieee"
+    try:
+        yield
+    finally:
+        del os.environ[TRITON_F32]
+
+
+@contextlib.contextmanager
+def cpu_ranks(ranks: int) -> Iterator[None]:
+    """Give each CPU rank its own cores while the engine starts, where the user set none.
+
+    vLLM's CPU engine binds one rank per NUMA node and refuses more ranks
+    than nodes; a one-node machine (a laptop, a 2-core CI runner) can still
+    run two ranks with the allowed cores split between them
+    (``VLLM_CPU_OMP_THREADS_BIND="0|1"``). The worker processes inherit the
+    setting; this process's environment is restored afterwards.
+    """
+    from vllm.platforms import current_platform
+
+    name = "VLLM_CPU_OMP_THREADS_BIND"
+    if ranks <= 1 or not current_platform.is_cpu() or os.environ.get(name, "auto") != "auto":
+        yield
+        return
+    from vllm.utils.cpu_resource_utils import get_visible_memory_node
+
+    if len(get_visible_memory_node()) >= ranks:  # vLLM's own binding works: one node per rank
+        yield
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < ranks:
+        raise ValueError(f"tensor_parallel_size={ranks} needs at least {ranks} CPU cores; this process may use {len(cores)}")
+    share = len(cores) // ranks
+    groups = [cores[rank * share : (rank + 1) * share] for rank in range(ranks)]
+    os.environ[name] = "|".join(",".join(map(str, group)) for group in groups)
+    try:
+        yield
+    finally:
+        del os.environ[name]

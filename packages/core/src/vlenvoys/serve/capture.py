@@ -1,0 +1,548 @@
+"""Capture in ``vlenvoys serve``: standard values of a request's run, returned in its response.
+
+A completion or chat completion may carry a top-level ``capture`` field::
+
+    "capture": [{"value": "layer_output", "layers": [0, 2], "positions": "prompt", "dtype": "float32"}]
+
+and its (non-streamed) response gets a top-level ``capture`` list, one entry
+per requested one, in the same order::
+
+    {"value": "layer_output", "layers": [0, 2], "positions": [0, 1, ...], "prompt_tokens": 7,
+     "generated_rows": 0, "dtype": "float32", "shape": [2, 7, 128], "data": "<base64>"}
+
+``data`` is the base64 of the values' bytes in C order, ``shape`` ``[layers,
+positions, *row]``, where a row is the value's layout less its batch and
+token axes (``[hidden_size]`` for the residual stream, ``[heads, head_dim]``
+for queries, keys and head outputs, ``[intermediate_size]`` for neurons). In
+Python: ``torch.frombuffer(bytearray(base64.b64decode(data)),
+dtype=torch.float32).view(shape)``, which `decode` does for any of the dtypes;
+numpy reads float32 and float16 the same way (``numpy.frombuffer(...).reshape(shape)``).
+
+A request chooses how its values come back with a top-level
+``capture_transport``: ``"inline"`` (the default, also for ``null``) as
+above, or ``"fetch"``, binary, which spares both sides base64 and JSON of
+the values: each entry then carries no ``data`` but the capture's ``id`` and
+``url``, ``"/v1/captures/{id}"``, one for all entries of a response::
+
+    {"value": "layer_output", ..., "dtype": "float32", "shape": [2, 7, 128],
+     "id": "5f0c...", "url": "/v1/captures/5f0c..."}
+
+``GET`` of that url on the same server (behind ``--api-key``, as every
+``/v1`` path) answers the values as a safetensors file
+(``application/octet-stream``), one tensor per entry, named by its
+``value``, of the entry's ``shape`` and ``dtype``, and forgets them: a
+capture is served once. The server holds each capture until its fetch, for
+``vlenvoys serve --capture-ttl`` seconds at most (`HELD_SECONDS` by default),
+and ``--capture-held-bytes`` of values in all (`HELD_BYTES`): a new capture
+drops the oldest unfetched ones it needs room for; one larger than that alone
+is a 400 (its completion not returned). A fetch of a capture not held is a
+404 that says why: fetched already, expired, dropped for room, or never held
+here. ``GET /v1/captures?ids=ID,ID,...`` (up to `FETCH_TOGETHER` ids) fetches
+several in one safetensors file: each tensor named ``{id}/{value}``, and the
+file's metadata ``gone`` a JSON object of the ids not held and why. In Python,
+`fetch` (`fetch_async` under asyncio, which gathers concurrent fetches on one
+client into such requests) gives a response's values, fetched or inline, as
+the tensors `decode` gives. Any other
+``capture_transport`` is a 400 before the request reaches the engine.
+
+``positions`` counts the sequence as steering does: ``"prompt"`` (default; the
+prefill's rows, positions 0 to ``prompt_tokens - 1``), ``"generated"`` (the
+decode steps' rows: generated token ``k``, counted from 0, sits at
+``prompt_tokens + k`` and has a row once it is fed back, so the last token
+sampled has none: ``generated_rows`` is the completion's tokens less one),
+``"all"`` (both), ``"last"`` (the prompt's last position, whose output chose
+the first token), or a list of positions (negative ones count from the end of
+the rows: prompt and generated). ``layers`` is a block index, a list of them
+(negative ones count from the end), or ``"all"``. ``dtype``: ``float32``
+(default), ``bfloat16`` or ``float16``, cast from the model's dtype. Each value
+is read as `vlenvoys.collect` reads it, one hook per module per step over the
+whole batch, so it equals a trace's read of the same prompt (bit-identical on
+the CPU engine), and a decode step's row a trace's read at that step; a
+request that is also steered captures its steered run (at a steered block,
+``layer_output`` is the sum of vLLM's two stream halves the next block gets,
+within float32 rounding of a trace's read). ``"capture": null`` or ``[]`` is a
+request that captures nothing. Decode steps' rows
+are served on an eager engine: a server replaying CUDA graphs of decode steps
+(``--cuda-graphs``) runs no hooks there, and refuses ``"generated"`` and
+``"all"`` (a list reads the prompt's rows there).
+
+A request that asks for a value the model does not serve (by its family, or
+not at a module boundary: attention patterns are recomputed per request), a
+block that does not exist, streaming, several prompts or choices (``n``), or
+beam search is a 400 before it reaches the engine. A position outside the
+rows, or more than `MAX_BYTES` of values, is known only once the request ran:
+the response is then a 400 naming it (its completion is not returned). The
+request runs with a cache salt of its own, so no cached prefix skips the rows
+it reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+import uuid
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from ..collect.rows import new_name, received
+from ..values.names import ORDER, OWNERS
+from ..wire.requests import COLLECT_GENERATED_KEY, COLLECT_ID_KEY, COLLECT_KEY, STEER_KEY
+from ..wire.steering import salt_of
+from .fields import CAPTURES_PATH, GENERATING, SteeringError, field_entries
+
+__all__ = [
+    "DTYPES", "HELD_BYTES", "HELD_SECONDS", "MAX_BYTES", "PENDING", "TRANSPORTS", "CaptureError", "CaptureGone",
+    "Captures", "Held", "as_file", "capture_spec", "transport_of",
+]
+
+#: An entry's keys.
+ENTRY_KEYS = frozenset({"value", "layers", "positions", "dtype"})
+#: The dtypes values are returned in.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: The most values a response carries, in bytes before base64 (a third more after).
+MAX_BYTES = 64 << 20
+#: The most entries a request's capture may have.
+MAX_ENTRIES = 16
+#: The most positions an entry may list.
+MAX_POSITIONS = 1 << 16
+#: Collectors (one per distinct set of reads) kept on the engine; the least recently used idle one goes beyond.
+MAX_COLLECTORS = 32
+#: The named choices of an entry's positions.
+POSITIONS = ("prompt", "generated", "all", "last")
+#: Capture ids of requests on their way to the engine from this server (`guard` lets only these name a collector).
+PENDING: set[str] = set()
+#: How a response hands its values over (a request's ``capture_transport``): in its JSON, or held for one fetch.
+TRANSPORTS = ("inline", "fetch")
+#: Seconds a capture is held for its fetch, by default (``vlenvoys serve --capture-ttl``).
+HELD_SECONDS = 300.0
+#: The most bytes of values held for fetching, by default (``--capture-held-bytes``); beyond, the oldest go first.
+HELD_BYTES = 2 << 30
+#: Ids of captures gone (fetched, expired, dropped) remembered with why, so a late fetch's 404 can say.
+GONE_REMEMBERED = 1 << 16
+
+
+class CaptureGone(LookupError):
+    """A held capture that is not there (an HTTP 404 with this message): fetched already, expired, dropped, unknown."""
+
+
+def transport_of(field: Any) -> str:
+    """A request's ``capture_transport``, checked: ``"inline"`` (also for ``null``) or ``"fetch"``.
+
+    Raises:
+        CaptureError: anything else.
+    """
+    if field is None:
+        return "inline"
+    if not isinstance(field, str) or field not in TRANSPORTS:
+        raise CaptureError(f"capture_transport: expected {' or '.join(map(repr, TRANSPORTS))}, got {field!r}")
+    return field
+
+
+class Held:
+    """Captures held for their one fetch, oldest first: each until fetched, ``seconds`` old, or pushed out by newer
+    ones beyond ``most`` bytes of values.
+
+    Expiry is checked on every `put` and `take` (no timer: a server no one asks holds what it held).
+    """
+
+    def __init__(self, seconds: float = HELD_SECONDS, most: int = HELD_BYTES) -> None:
+        self.seconds = seconds
+        self.most = most
+        self.held: OrderedDict[str, tuple[float, int, dict[str, torch.Tensor]]] = OrderedDict()
+        self.bytes = 0
+        self.gone: OrderedDict[str, str] = OrderedDict()
+
+    def put(self, tensors: dict[str, torch.Tensor]) -> str:
+        """Hold ``tensors`` (contiguous, on the CPU) under a new id, which it returns.
+
+        Raises:
+            CaptureError: the tensors alone are more than ``most`` bytes.
+        """
+        size = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
+        if size > self.most:
+            raise CaptureError(
+                f"capture: {_amount(size)} of values, beyond the {_amount(self.most)} this server holds "
+                "for fetching (--capture-held-bytes); capture fewer layers or positions, or inline"
+            )
+        now = time.monotonic()
+        self._expire(now)
+        while self.held and self.bytes + size > self.most:
+            self._drop(next(iter(self.held)), f"dropped unfetched to make room for newer captures: the server holds "
+                       f"at most {self.most} bytes of them (--capture-held-bytes), the oldest go first")
+        name = uuid.uuid4().hex
+        self.held[name] = (now + self.seconds, size, tensors)
+        self.bytes += size
+        return name
+
+    def take(self, name: str) -> dict[str, torch.Tensor]:
+        """The capture held as ``name`` (a tensor per entry, named by its value); held no longer. `as_file` makes
+        the safetensors bytes a fetch answers.
+
+        Raises:
+            CaptureGone: fetched already, expired, dropped for room, or never held here.
+        """
+        self._expire(time.monotonic())
+        if name not in self.held:
+            why = self.gone.get(name) or (
+                f"never held here, or gone long ago (a capture is held until its one fetch, for {self.seconds:g} s "
+                "at most)"
+            )
+            raise CaptureGone(f"capture {name!r}: {why}")
+        tensors = self.held[name][2]
+        self._drop(name, "fetched already: a capture is served once")
+        return tensors
+
+    def _expire(self, now: float) -> None:
+        # Held in the order they came, all for the same seconds: the first is the first to expire.
+        while self.held and next(iter(self.held.values()))[0] <= now:
+            self._drop(next(iter(self.held)), f"expired: not fetched within {self.seconds:g} s (--capture-ttl)")
+
+    def _drop(self, name: str, why: str) -> None:
+        _, size, _ = self.held.pop(name)
+        self.bytes -= size
+        self.gone[name] = why
+        while len(self.gone) > GONE_REMEMBERED:
+            self.gone.popitem(last=False)
+
+
+def _amount(size: int) -> str:
+    """A size for a message: MiB from one MiB up, bytes below (where MiB would read "0.0")."""
+    return f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size:,} bytes"
+
+
+def as_file(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
+    """``tensors`` as the bytes of a safetensors file (what a fetch of a capture answers), with ``metadata``."""
+    from safetensors.torch import save
+
+    return save(tensors, metadata)
+
+
+class CaptureError(SteeringError):
+    """A request's ``capture`` field the model cannot serve: an HTTP 400 with this message."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "capture")
+
+
+def capture_spec(field: Any, num_layers: int) -> list[dict]:
+    """A request's ``capture`` field, checked: each entry as ``{value, owner, layers, positions, dtype}``.
+
+    ``layers`` are block indices in ``range(num_layers)``; ``positions`` is
+    one of `POSITIONS` or a list of ints (checked against the rows later).
+
+    Raises:
+        CaptureError: an unknown value or key, a block that does not exist, a
+            bad positions or dtype, one value in two entries, more than
+            `MAX_ENTRIES` entries.
+    """
+    owners = OWNERS
+    made, seen = [], set()
+    for where, entry in field_entries(field, "capture", ENTRY_KEYS, MAX_ENTRIES, CaptureError):
+        value = entry.get("value")
+        if not isinstance(value, str) or value not in owners:
+            raise CaptureError(f"{where}: unknown value {value!r}; the standard values are {', '.join(owners)}")
+        if value in seen:
+            raise CaptureError(f"{where}: {value!r} is captured by two entries (list its layers in one)")
+        seen.add(value)
+        layers = entry.get("layers")
+        if layers == "all":
+            layers = list(range(num_layers))
+        elif isinstance(layers, int) and not isinstance(layers, bool):
+            layers = [layers]
+        if not isinstance(layers, list) or not layers or not all(
+            isinstance(each, int) and not isinstance(each, bool) for each in layers
+        ):
+            raise CaptureError(f"{where}.layers: expected a block index, a non-empty list of them or \"all\", got {layers!r}")
+        for layer in layers:
+            if not -num_layers <= layer < num_layers:
+                raise CaptureError(f"{where}.layers: block {layer} does not exist; the model has blocks 0 to {num_layers - 1}")
+        layers = [layer % num_layers for layer in layers]
+        if len(set(layers)) != len(layers):
+            raise CaptureError(f"{where}.layers: a block is listed twice in {entry['layers']!r}")
+        positions = entry.get("positions", "prompt")
+        if isinstance(positions, list) and len(positions) > MAX_POSITIONS:
+            raise CaptureError(f"{where}.positions: {len(positions)} positions, at most {MAX_POSITIONS} are served")
+        if not (positions in POSITIONS or (isinstance(positions, list) and positions and all(
+            isinstance(each, int) and not isinstance(each, bool) for each in positions
+        ))):
+            raise CaptureError(
+                f"{where}.positions: expected {', '.join(map(repr, POSITIONS))} or a non-empty list of positions, got {positions!r}"
+            )
+        dtype = entry.get("dtype", "float32")
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            raise CaptureError(f"{where}.dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
+        made.append({"value": value, "owner": owners[value], "layers": layers, "positions": positions, "dtype": dtype})
+    return made
+
+
+def _reads(entries: list[dict]) -> tuple[tuple[int, str, str], ...]:
+    """The entries' reads in forward order (by block, then as the block computes them), as `vlenvoys.collect` has them."""
+    order = ORDER
+    reads = {(layer, entry["owner"], entry["value"]) for entry in entries for layer in entry["layers"]}
+    return tuple(sorted(reads, key=lambda read: (read[0], order[read[2]])))
+
+
+def _one_request(body: dict, path: str) -> None:
+    """Refuse what would make a capture's values ambiguous or missing: one prompt, one choice, whole responses."""
+    if path not in GENERATING:
+        raise CaptureError(f"capture is served on {' and '.join(GENERATING)}, not on {path}")
+    if body.get("stream"):
+        raise CaptureError("capture returns the values with the whole response: drop stream")
+    if body.get("n") not in (None, 1) or body.get("best_of") not in (None, 1) or body.get("use_beam_search"):
+        raise CaptureError("capture serves one choice a request: drop n, best_of and use_beam_search")
+    prompt = body.get("prompt")
+    several = isinstance(prompt, list) and prompt and not all(isinstance(each, int) for each in prompt) and len(prompt) > 1
+    if several:
+        raise CaptureError("capture serves one prompt a request: send the prompts as requests of their own")
+    xargs = body.get("vllm_xargs")
+    if xargs is not None and not isinstance(xargs, dict):
+        raise CaptureError("vllm_xargs: expected an object")
+    if isinstance(xargs, dict) and any(isinstance(key, str) and key.startswith("vlenvoys_collect") for key in xargs):
+        raise CaptureError("vllm_xargs' vlenvoys_collect keys are set by the server; capture with the 'capture' field")
+
+
+class _Collector:
+    """A collector installed on the engine for one set of reads, and the requests waiting for its values."""
+
+    def __init__(self, name: str, head_dims: dict[str, int | None]) -> None:
+        self.name = name
+        self.head_dims = head_dims
+        self.users = 0
+        #: capture id -> (future of its values, its entries, its completion's tokens or None: values not wanted)
+        self.waiting: dict[str, tuple[asyncio.Future, list[dict], int | None]] = {}
+        #: The task taking ``waiting``'s values off the engine, while there is one.
+        self.taking: asyncio.Task | None = None
+
+
+class Captures:
+    """The server's side of capture: collectors on the engine by set of reads, and each request's values.
+
+    Args:
+        engine_client: vLLM's engine client in the API server (``app.state.engine_client``).
+        num_layers: The model's block count.
+        ranks: The engine's world size (capture serves one rank).
+        graphs: Whether the engine replays CUDA graphs of decode steps (no hooks run there).
+        held: Where values fetched later wait (``capture_transport: "fetch"``).
+    """
+
+    def __init__(self, engine_client: Any, num_layers: int, ranks: int, graphs: bool, held: Held | None = None) -> None:
+        self.engine = engine_client
+        self.num_layers = num_layers
+        self.ranks = ranks
+        self.graphs = graphs
+        self.held = Held() if held is None else held
+        self.collectors: OrderedDict[tuple, _Collector | str] = OrderedDict()
+        self.starting = asyncio.Lock()
+
+    async def admit(self, body: dict, path: str, transport: str = "inline") -> tuple[dict, Any]:
+        """The body with its ``capture`` turned into ``vllm_xargs`` and a cache salt of its own, and the ticket
+        `respond` takes its values by (and hands them over by ``transport``, one of `TRANSPORTS`).
+
+        Raises:
+            CaptureError: see `capture_spec` and the module's docstring.
+        """
+        _one_request(body, path)
+        if self.ranks > 1:
+            raise CaptureError(f"capture serves a one-rank engine; this one runs on {self.ranks} ranks")
+        entries = capture_spec(body["capture"], self.num_layers)
+        decoded = [entry["value"] for entry in entries if entry["positions"] in ("generated", "all")]
+        if decoded and self.graphs:
+            raise CaptureError(
+                f"capture: {decoded[0]} at generated positions: this server replays CUDA graphs of decode steps, which "
+                "run no hooks; capture the prompt's positions, or serve without --cuda-graphs"
+            )
+        generated = not self.graphs and any(entry["positions"] != "prompt" and entry["positions"] != "last" for entry in entries)
+        reads = _reads(entries)
+        collector = await self._collector(reads)
+        ticket = uuid.uuid4().hex
+        body = {key: value for key, value in body.items() if key != "capture"}
+        xargs = body["vllm_xargs"] = {**(body.get("vllm_xargs") or {}), COLLECT_KEY: collector.name, COLLECT_ID_KEY: ticket}
+        if generated:
+            xargs[COLLECT_GENERATED_KEY] = True
+        # A salt of its own, shared with no request (so no cached prefix skips the forward over rows it
+        # reads), ending in its steering's where it is steered (`serving.guard` looks for that); vLLM
+        # takes 128 characters at most, so the user's salt, needless now, is dropped.
+        steered = xargs.get(STEER_KEY)
+        body["cache_salt"] = f"capture-{ticket}" + (f"-{salt_of(steered)}" if isinstance(steered, str) else "")
+        collector.users += 1
+        PENDING.add(ticket)
+        return body, (collector, ticket, entries, transport)
+
+    async def _collector(self, reads: tuple) -> _Collector:
+        async with self.starting:
+            known = self.collectors.get(reads)
+            if isinstance(known, str):
+                raise CaptureError(known)
+            if known is not None:
+                self.collectors.move_to_end(reads)
+                return known
+            name = new_name()
+            (answer, *_) = await self.engine.collective_rpc("vlenvoys_collect_start_checked", args=(name, list(reads)))
+            if "refused" in answer:
+                self.collectors[reads] = answer["refused"]
+                raise CaptureError(answer["refused"])
+            made = self.collectors[reads] = _Collector(name, answer["head_dims"])
+            await self._evict()
+            return made
+
+    async def _evict(self) -> None:
+        idle = [reads for reads, each in self.collectors.items() if isinstance(each, str) or each.users == 0]
+        while len(self.collectors) > MAX_COLLECTORS and idle:
+            gone = self.collectors.pop(idle.pop(0))
+            if isinstance(gone, _Collector):
+                await self.engine.collective_rpc("vlenvoys_collect_stop", args=(gone.name,))
+
+    async def respond(self, ticket: Any, status: int, body: bytes) -> tuple[int, bytes]:
+        """The response's status and body with the request's values added (or a 400 naming why it has none).
+
+        Always takes the request's values off the engine, whatever the response: nothing is left behind.
+        """
+        collector, name, entries, transport = ticket
+        answer = json.loads(body) if status == 200 else None
+        completed = None if answer is None else (answer.get("usage") or {}).get("completion_tokens")
+        try:
+            values = await self._taken(collector, name, entries, answer is not None, completed)
+        finally:
+            collector.users -= 1
+            PENDING.discard(name)
+        if answer is None:
+            return status, body
+        if isinstance(values, str):
+            return 400, _error_body(values)
+        if transport == "fetch":
+            try:
+                held = self.held.put({entry["value"]: tensor for entry, tensor in values})
+            except CaptureError as error:
+                return 400, _error_body(str(error))
+            answer["capture"] = [{**entry, "id": held, "url": f"{CAPTURES_PATH}/{held}"} for entry, _ in values]
+            return status, json.dumps(answer).encode()
+        return status, await asyncio.to_thread(_inline, answer, values)
+
+    async def _taken(
+        self, collector: _Collector, name: str, entries: list[dict], wanted: bool, completed: int | None
+    ) -> Any:
+        """This request's values (`_values`; None where not ``wanted``: its response is not a 200), taken off the
+        engine together with every other request's that waits for the same collector's: one take for all of
+        them, not one each. The engine forgets them either way."""
+        future = asyncio.get_running_loop().create_future()
+        collector.waiting[name] = (future, entries, wanted, completed)
+        if collector.taking is None:
+            # A task of its own, not this request's: a client that goes away cancels its request, not a take
+            # that carries other requests' values.
+            collector.taking = asyncio.create_task(self._take_waiting(collector))
+        return await future
+
+    async def _take_waiting(self, collector: _Collector) -> None:
+        """Take the waiting requests' values, in batches, until none waits.
+
+        Before, each request took its own, one at a time, each waiting for the engine between two steps; 256
+        capturing requests then ran at 0.30 of plain serving (the gate at 5837283, one H200).
+        """
+        try:
+            while collector.waiting:
+                batch, collector.waiting = collector.waiting, {}
+                try:
+                    (packed, *_) = await self.engine.collective_rpc(
+                        "vlenvoys_collect_take", args=(collector.name, list(batch))
+                    )
+                    # Copied out of the engine's memory off the event loop (the other requests' streams go on), and
+                    # before the next take, which tells the worker it may reuse that memory.
+                    results = await asyncio.to_thread(_values_of_each, packed, batch, collector.head_dims)
+                except Exception as error:  # every request of the batch hears of it; the next batch tries again
+                    for future, *_ in batch.values():
+                        if not future.done():
+                            future.set_exception(error)
+                    continue
+                for name, (future, *_) in batch.items():
+                    if not future.done():  # not given up on (its client went away)
+                        future.set_result(results[name])
+        finally:
+            collector.taking = None
+
+
+def _values_of_each(packed: dict, batch: dict[str, tuple], head_dims: dict) -> dict[str, Any]:
+    """`_values` of each request in ``batch`` (capture id -> (future, entries, wanted, completion's tokens or
+    None)), None for those not wanted."""
+    taken = received(packed)
+    at = {name: index for index, name in enumerate(taken["order"])}
+    return {
+        name: _values(taken, name, at.get(name), head_dims, entries, completed) if wanted else None
+        for name, (_, entries, wanted, completed) in batch.items()
+    }
+
+
+def _inline(answer: dict, values: list[tuple[dict, torch.Tensor]]) -> bytes:
+    """The response's JSON with each entry's values as base64 in ``data`` (run off the event loop: a response
+    may carry up to `MAX_BYTES`)."""
+    answer["capture"] = [
+        {**entry, "data": base64.b64encode(tensor.view(torch.uint8).numpy().tobytes()).decode("ascii")}
+        for entry, tensor in values
+    ]
+    return json.dumps(answer).encode()
+
+
+def _values(
+    taken: dict, name: str, at: int | None, head_dims: dict, entries: list[dict], completed: int | None
+) -> list[tuple[dict, torch.Tensor]] | str:
+    """Each entry's response entry (less its values) and values, copied out of the engine's blocks; or why the
+    request has none.
+
+    ``taken``: a take's answer, received (`vlenvoys.collect.rows.received`); ``at``: the request's place in its
+    ``order``. ``completed``: the response's generated tokens (its usage; None where it has none), of which all
+    but the last were fed back.
+    """
+    if name in taken["missing"]:
+        return f"capture: {taken['missing'][name]}"
+    if at is None:  # the worker names every request it was asked for, in order or missing: this is a bug
+        raise RuntimeError(f"the engine's take neither handed over nor named capture {name}")
+    rows = {key: each[at] for key, each in taken["values"].items()}
+    prompt = taken["prompts"][name]
+    chosen_of, fed_of, total = [], {}, 0
+    for entry in entries:
+        read = rows[f"{entry['value']}.{entry['layers'][0]}"].shape[0]
+        # A step scheduled ahead of a stop the engine did not know yet (asynchronous scheduling) read a row past it.
+        fed = read - prompt if completed is None else min(read - prompt, max(0, completed - 1))
+        if entry["positions"] in ("generated", "all") and completed is not None and fed != completed - 1:
+            return f"capture: {entry['value']}: {fed} of the {completed - 1} generated tokens fed back were read"
+        length = prompt + fed
+        chosen = {
+            "prompt": list(range(prompt)), "generated": list(range(prompt, length)), "all": list(range(length)),
+            "last": [prompt - 1],
+        }.get(entry["positions"]) if isinstance(entry["positions"], str) else entry["positions"]
+        outside = [position for position in chosen if not -length <= position < length]
+        if outside:
+            kept = f"the prompt's {prompt} and {fed} generated" if fed else f"the prompt's {prompt}"
+            return f"capture: position {outside[0]} is outside the rows read ({kept}: 0 to {length - 1})"
+        chosen = [position % length for position in chosen]
+        chosen_of.append(chosen)
+        fed_of[entry["value"]] = fed
+        # Counted before anything is copied: a long list of positions must not build what is refused.
+        row = rows[f"{entry['value']}.{entry['layers'][0]}"][0]
+        total += len(entry["layers"]) * len(chosen) * row.numel() * DTYPES[entry["dtype"]].itemsize
+    if total > MAX_BYTES:
+        return (f"capture: {_amount(total)} of values, beyond the {MAX_BYTES >> 20} MiB a response carries; "
+                "capture fewer layers or positions")
+    out = []
+    for entry, chosen in zip(entries, chosen_of, strict=True):
+        index = torch.tensor(chosen, dtype=torch.long)
+        picked = []
+        for layer in entry["layers"]:
+            key = f"{entry['value']}.{layer}"
+            each = rows[key].index_select(0, index)  # a copy: the engine may reuse its block after
+            if head_dims.get(key) is not None:
+                each = each.reshape(*each.shape[:-1], -1, head_dims[key])
+            picked.append(each)
+        values = torch.stack(picked).to(DTYPES[entry["dtype"]]).contiguous()
+        out.append(({
+            "value": entry["value"], "layers": entry["layers"], "positions": chosen, "prompt_tokens": prompt,
+            "generated_rows": fed_of[entry["value"]], "dtype": entry["dtype"], "shape": list(values.shape),
+        }, values))
+    return out
+
+
+def _error_body(message: str) -> bytes:
+    return json.dumps({"error": {"message": message, "type": "BadRequestError", "param": "capture", "code": 400}}).encode()

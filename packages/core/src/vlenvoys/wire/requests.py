@@ -1,0 +1,26 @@
+"""What a request carries in ``SamplingParams.extra_args`` for the worker: the one table of keys both sides read."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["COLLECT_GENERATED_KEY", "COLLECT_ID_KEY", "COLLECT_KEY", "PRIVATE", "STEER_KEY", "carries_nnsight_work"]
+
+#: ``SamplingParams.extra_args`` key whose value names the collector that reads the request.
+COLLECT_KEY = "vlenvoys_collect"
+#: ``SamplingParams.extra_args`` key of the id the caller takes the request's values by, where it
+#: cannot know the engine's request id (`vlenvoys serve`: vLLM's server names its requests itself).
+COLLECT_ID_KEY = "vlenvoys_collect_id"
+#: ``SamplingParams.extra_args`` key: read the request's decode steps' rows too, not its prompt's alone
+#: (each generated token fed back, at its position; an engine replaying graphs of decode steps runs no hooks there).
+COLLECT_GENERATED_KEY = "vlenvoys_collect_generated"
+#: ``SamplingParams.extra_args`` key holding a request's steering (`vlenvoys.wire.steering`).
+STEER_KEY = "vlenvoys_steer"
+#: Registrations named with this prefix run only on requests that list them in ``edits=[...]``.
+PRIVATE = "vlenvoys-private:"
+
+
+def carries_nnsight_work(params: Any) -> bool:
+    """Whether a request with these sampling params carries a block or names edits (its workers may hold saves)."""
+    extra = getattr(params, "extra_args", None) or {}
+    return "nnsight_mediator" in extra or "nnsight_edits" in extra
