@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from vlenvoys.values.names import OWNERS, TRANSFORMER_LENS, TRANSFORMER_LENS_NOTES, standard_name, transformer_lens_name
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -11,9 +11,8 @@ import json
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, IterableDataset
-
 import vlenvoys_testing as testing
+from torch.utils.data import DataLoader, IterableDataset
 from vlenvoys.activations import Activations, collect_dataset, documents, export
 from vlenvoys.values.names import TRANSFORMER_LENS
 
@@ -197,7 +196,13 @@ def test_sae_lens_trains_on_an_export(subject, acts, tmp_path):
     """SAELens' own ActivationsStore reads the export as a cache it wrote (``cached_activations_path``), and its
     SAETrainer trains a standard SAE on it, configured as its runner configures one."""
     pytest.importorskip("sae_lens", reason=SAE_LENS_MISSING)
-    from sae_lens import LanguageModelSAERunnerConfig, LoggingConfig, SAETrainer, StandardTrainingSAE, StandardTrainingSAEConfig
+    from sae_lens import (
+        LanguageModelSAERunnerConfig,
+        LoggingConfig,
+        SAETrainer,
+        StandardTrainingSAE,
+        StandardTrainingSAEConfig,
+    )
     from sae_lens.training.activations_store import ActivationsStore
 
     out = export(acts.folder, tmp_path / "sae")
