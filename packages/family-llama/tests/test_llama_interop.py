@@ -13,7 +13,9 @@ import pytest
 import torch
 import vlenvoys_testing as testing
 from torch.utils.data import DataLoader, IterableDataset
+from typer.testing import CliRunner
 from vlenvoys.activations import Activations, collect_dataset, documents, export
+from vlenvoys.cli import app
 from vlenvoys.values.names import TRANSFORMER_LENS
 
 on_tiny_llama = pytest.mark.parametrize("subject", ["LlamaForCausalLM"], indirect=True)
@@ -63,6 +65,7 @@ def test_activations_is_an_iterable_dataset_of_rows_or_batches(subject, acts):
     assert torch.equal(torch.stack([row["layer_output.1"] for row in rows]), full["layer_output.1"])
     assert torch.equal(torch.stack([row["token_ids"] for row in rows]), full["token_ids"])
 
+    assert len(list(Activations(acts.folder, keys="token_ids", drop_last=True))) == count  # rows: every one
     stacked = list(DataLoader(Activations(acts.folder, keys="layer_output.1"), batch_size=7))
     assert set(stacked[0]) == {"layer_output.1", "token_ids"} and stacked[0]["layer_output.1"].shape == (7, 128)
     assert torch.equal(torch.cat([batch["layer_output.1"] for batch in stacked]), full["layer_output.1"])
@@ -116,6 +119,12 @@ def test_a_streamed_dataset_is_a_source(subject, acts, tmp_path):
         list(documents(named, split="train"))
     with pytest.raises(FileNotFoundError, match="a Hugging Face dataset is named hf:NAME"):
         list(documents(tmp_path / "missing.jsonl"))
+    # The command takes --split and --subset, and refuses a split the source lacks before it starts an engine.
+    checkpoint = str(subject.model.vllm_entrypoint.llm_engine.vllm_config.model_config.model)
+    command = ["collect", named, checkpoint, "--context-length", str(CONTEXT), "--field", "body", "--out", str(tmp_path / "cli")]
+    refused = CliRunner().invoke(app, [*command, "--split", "validation"])
+    assert refused.exit_code == 1 and "has no split 'validation'" in " ".join(refused.output.split())
+    assert "starting vLLM" not in refused.output and not (tmp_path / "cli").exists()
 
     streamed = collect_dataset(
         subject.model, named, tmp_path / "acts", VALUES, [1], context_length=CONTEXT, field="body", split="train",

@@ -1067,7 +1067,8 @@ class Activations(IterableDataset):
     Args:
         folder: The folder `collect_dataset` wrote.
         batch_size, keys, shuffle, seed, buffer_shards, drop_last: What iterating
-            gives, as `batches` takes them; ``batch_size=None`` (the default) gives rows.
+            gives, as `batches` takes them; ``batch_size=None`` (the default) gives
+            every row, one at a time (``drop_last`` then changes nothing).
 
     Raises:
         FileNotFoundError: no such folder, or one without a manifest.
@@ -1121,7 +1122,7 @@ class Activations(IterableDataset):
         if self.batch_size is not None:
             yield from self._batches(self.batch_size, share=share, **options)
             return
-        for batch in self._batches(ROWS_AT_ONCE, share=share, **options):
+        for batch in self._batches(ROWS_AT_ONCE, share=share, **{**options, "drop_last": False}):  # every row
             count = batch["token_ids"].shape[0]
             for index in range(count):
                 yield {key: tensor[index] for key, tensor in batch.items()}
