@@ -52,7 +52,7 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--context-length", type=int, help="tokens per window (default: 128; with --tiny, 32)")
     parser.add_argument("--max-tokens", type=int, help="tokens of windows collected (default: 100000; with --tiny, 4096)")
     parser.add_argument("--expansion", type=int, default=8, help="features per dimension of the stream")
-    parser.add_argument("--l1", type=float, default=3e-3, help="the L1 penalty's coefficient")
+    parser.add_argument("--l1", type=float, default=1e-2, help="the L1 penalty's coefficient")
     parser.add_argument("--batch-size", type=int, default=512)
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--lr", type=float, default=1e-3)

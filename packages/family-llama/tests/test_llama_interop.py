@@ -103,7 +103,7 @@ def test_activations_is_an_iterable_dataset_of_rows_or_batches(subject, acts):
 def test_a_streamed_dataset_is_a_source(subject, acts, tmp_path):
     """``"hf:NAME"`` is ``datasets.load_dataset(NAME, streaming=True)``: here a local folder laid out as a hub
     dataset's (CI has no hub). Its windows and values are those of the same texts given as a list."""
-    needs_datasets()
+    datasets = needs_datasets()
     folder = tmp_path / "corpus"
     (folder / "data").mkdir(parents=True)
     (folder / "data" / "train.jsonl").write_text("".join(json.dumps({"body": text, "id": index}) + "\n" for index, text in enumerate(CORPUS)))
@@ -117,6 +117,8 @@ def test_a_streamed_dataset_is_a_source(subject, acts, tmp_path):
         list(documents(named, "body", split="validation"))
     with pytest.raises(ValueError, match="row 0 of hf:.* has no field 'text'"):
         list(documents(named, split="train"))
+    both = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"body": CORPUS}), "test": datasets.Dataset.from_dict({"body": ["x"]})})
+    assert list(documents(both, "body", split="train")) == CORPUS  # a DatasetDict in memory too
     with pytest.raises(FileNotFoundError, match="a Hugging Face dataset is named hf:NAME"):
         list(documents(tmp_path / "missing.jsonl"))
     # The command takes --split and --subset, and refuses a split the source lacks before it starts an engine.

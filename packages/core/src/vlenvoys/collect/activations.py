@@ -100,13 +100,13 @@ def documents(source: Any, field: str = "text", *, split: str | None = None, sub
             dataset, streamed: see below), or any iterable of strings.
         field: The column or key holding the text (JSON Lines and ``datasets`` sources).
         split: The split to read of a source with several (``"train"``; a
-            ``"hf:"`` dataset, a ``save_to_disk`` folder of a ``DatasetDict``).
+            ``"hf:"`` dataset, a ``DatasetDict`` or its ``save_to_disk`` folder).
             None reads the only one there is.
         subset: A ``"hf:"`` dataset's subset (its configuration, ``load_dataset``'s ``name``).
 
     ``"hf:NAME"`` is read by ``datasets.load_dataset(NAME, name=subset,
-    split=split, streaming=True)``: the rows are streamed as they are read,
-    never downloaded whole. NAME is a dataset on the Hugging Face hub
+    streaming=True)``, then its ``split`` (or its only one): the rows are
+    streamed as they are read, never downloaded whole. NAME is a dataset on the Hugging Face hub
     (``"hf:HuggingFaceFW/fineweb-edu"`` with ``subset="sample-10BT"``), or
     any path ``load_dataset`` takes, such as a local folder of ``.jsonl``,
     ``.parquet`` or ``.csv`` files laid out as a hub dataset's. A path that
@@ -136,7 +136,7 @@ def documents(source: Any, field: str = "text", *, split: str | None = None, sub
             with path.open(encoding="utf-8") as lines:
                 yield from (line.rstrip("\n") for line in lines if line.strip())
     elif hasattr(source, "column_names") or hasattr(source, "features"):
-        yield from _records(source, field, "the dataset")
+        yield from _records(_one_split(source, split, "the dataset"), field, "the dataset")
     else:
         for index, text in enumerate(source):
             if not isinstance(text, str):
@@ -145,7 +145,7 @@ def documents(source: Any, field: str = "text", *, split: str | None = None, sub
 
 
 def _streamed(name: str, split: str | None, subset: str | None) -> Any:
-    """``load_dataset(name, subset, split=split, streaming=True)``: one split's rows, streamed."""
+    """``load_dataset(name, name=subset, streaming=True)``'s ``split`` (or its only one): its rows, streamed."""
     if not name:
         raise ValueError(f"{HUB!r} names no dataset; write {HUB}NAME (a hub dataset, or a folder load_dataset reads)")
     datasets = _datasets()
