@@ -1066,9 +1066,13 @@ class Activations(IterableDataset):
 
     Args:
         folder: The folder `collect_dataset` wrote.
-        batch_size, keys, shuffle, seed, buffer_shards, drop_last: What iterating
-            gives, as `batches` takes them; ``batch_size=None`` (the default) gives
-            every row, one at a time (``drop_last`` then changes nothing).
+        batch_size: Iterating gives batches of this many rows; None (the default)
+            gives every row, one at a time.
+        keys: What iterating gives of each row, as `batches` takes them.
+        shuffle: Iterate in a random order, as `batches` shuffles.
+        seed: The shuffle's seed (with the epoch `set_epoch` set).
+        buffer_shards: Shards whose rows are mixed together when shuffled, as `batches` takes it.
+        drop_last: Leave out a last batch shorter than ``batch_size`` (rows: changes nothing).
 
     Raises:
         FileNotFoundError: no such folder, or one without a manifest.
