@@ -166,10 +166,31 @@ def bench_nnterp(session: nox.Session) -> None:
     session.run("python", "compat/bench_nnterp.py", *session.posargs, env=ENV)
 
 
+#: Debian's Chromium, which the docs session renders the site in (playwright drives it; it downloads no browser).
+CHROMIUM = "/usr/bin/chromium"
+
+
+def chromium(session: nox.Session) -> str:
+    """Debian's Chromium, installed with apt-get where it is missing (as root, or through passwordless sudo)."""
+    if os.path.exists(CHROMIUM):
+        return CHROMIUM
+    if shutil.which("apt-get") is None:
+        session.error(f"the docs session renders the site in Chromium: no {CHROMIUM}, and no apt-get to install it")
+    as_root = [] if os.geteuid() == 0 else ["sudo", "-n"]
+    if as_root and shutil.which("sudo") is None:
+        session.error(f"the docs session renders the site in Chromium: no {CHROMIUM}; apt-get install chromium as root")
+    apt = {"DEBIAN_FRONTEND": "noninteractive"}
+    session.run(*as_root, "apt-get", "update", "--quiet", external=True, env=apt)
+    session.run(*as_root, "apt-get", "install", "--yes", "--quiet", "chromium", external=True, env=apt)
+    return CHROMIUM
+
+
 @nox.session
 @one_env_at_a_time
 def docs(session: nox.Session) -> None:
-    """The documentation site, built from the docstrings into site/."""
+    """The documentation site, built from the docstrings into site/, then every page checked in a headless Chromium."""
     # mkdocstrings reads the sources statically: no engine, torch or vLLM needed.
-    session.install("mkdocs", "mkdocstrings[python]")
+    session.install("mkdocs", "mkdocstrings[python]", "playwright")
     session.run("mkdocs", "build", "--strict", env=ENV)
+    # Each page of the nav, rendered: its title (h1) and each of its code blocks shown (docs/check_rendered.py).
+    session.run("python", "docs/check_rendered.py", "site", "--chromium", chromium(session), env=ENV)

@@ -51,7 +51,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(HERE))  # bench.py, serve.py and workloads.py beside this file
+sys.path.append(str(HERE))  # bench.py, serve.py and workloads.py beside this file; appended, so that
+# its datasets.py does not hide Hugging Face's `datasets` from whoever imports this file
 from workloads import card_name, checkout  # noqa: E402 - found through the line above
 
 RESULTS = HERE / "results"

@@ -72,7 +72,8 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))  # bench.py and workloads.py beside this file, imported or run
+sys.path.append(str(ROOT / "benchmarks"))  # bench.py and workloads.py beside this file; appended, so that
+# its datasets.py does not hide Hugging Face's `datasets` from whoever imports this file
 from workloads import card_name, checkout  # noqa: E402 - found through the line above
 
 KINDS = ("plain", "steered", "fetched", "inline")

@@ -33,6 +33,9 @@ def main() -> None:
     from vlenvoys.collect import collect
 
     checkpoint, folder = sys.argv[1], Path(sys.argv[2])
+    # Python's own Ctrl-C, whatever this process inherited: a shell's background job (CI run with `&`) starts it
+    # with SIGINT ignored, and Python then installs no handler.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     previous = signal.getsignal(signal.SIGINT)
 
     def noted(signum, frame):  # when the signal came, then Python's own KeyboardInterrupt
