@@ -154,7 +154,7 @@ def collect(
         Path,
         typer.Argument(
             help="One prompt per line; with --context-length a corpus: text (a document per line), .jsonl, "
-            ".parquet, .csv, or a folder from datasets' save_to_disk."
+            ".parquet, .csv, a folder from datasets' save_to_disk, or hf:NAME (a Hugging Face dataset, streamed)."
         ),
     ],
     model: Model = None,
@@ -172,6 +172,10 @@ def collect(
         Optional[int], typer.Option(min=2, help="Cut the source into windows of this many tokens (BOS included) and stream their values to a folder of shards.")
     ] = None,
     field: Annotated[str, typer.Option(help="The text's field in a .jsonl or datasets source.")] = "text",
+    split: Annotated[
+        Optional[str], typer.Option(help="The split to read of a source with several (an hf: dataset, a saved DatasetDict).")
+    ] = None,
+    subset: Annotated[Optional[str], typer.Option(help="An hf: dataset's subset (its configuration).")] = None,
     dtype: Annotated[str, typer.Option(help="How shards store values: bfloat16, float16 or float32.")] = "bfloat16",
     positions: Annotated[str, typer.Option(help="Which positions shards keep: all, no_bos (drop BOS tokens) or last.")] = "all",
     shard_tokens: Annotated[int, typer.Option(min=1, help="Tokens of windows per shard.")] = 2**16,
@@ -216,7 +220,7 @@ def collect(
         else:
             _collect_windows(
                 source, model, values, chosen, out or Path("activations"), batch, context_length,
-                field=field, dtype=dtype, positions=positions, shard_tokens=shard_tokens, max_tokens=max_tokens, bos=bos,
+                field=field, split=split, subset=subset, dtype=dtype, positions=positions, shard_tokens=shard_tokens, max_tokens=max_tokens, bos=bos,
             )
 
 
@@ -266,6 +270,7 @@ def _collect_windows(
     if context_length >= longest:  # each window's request generates one token, which needs a position too
         raise ValueError(f"--context-length {context_length} is longer than the model serves: at most {longest - 1} ({longest} positions)")
     max_tokens, bos, field = options.pop("max_tokens"), options["bos"], options["field"]
+    split, subset = options["split"], options["subset"]
     activations.check_rows_per_token(model, values)
     plan = activations.make_plan(model, values, chosen, context_length=context_length, source=source, **options)
     shards = activations.open_shards(out, plan, max_tokens)
@@ -274,7 +279,7 @@ def _collect_windows(
         console.print(f"{out} already holds this collection, complete: {activations.Activations(out)}")
         return
     tokenizer = AutoTokenizer.from_pretrained(model)
-    cut = activations.windows(activations.documents(source, field), tokenizer, context_length, bos=bos)
+    cut = activations.windows(activations.documents(source, field, split=split, subset=subset), tokenizer, context_length, bos=bos)
     shards.check_unchanged(cut)
     if next(cut, None) is None and not shards.done:
         raise ValueError(f"{source} holds fewer tokens than one window of {context_length}")
