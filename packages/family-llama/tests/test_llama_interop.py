@@ -65,7 +65,7 @@ def test_activations_is_an_iterable_dataset_of_rows_or_batches(subject, acts):
     assert torch.equal(torch.stack([row["layer_output.1"] for row in rows]), full["layer_output.1"])
     assert torch.equal(torch.stack([row["token_ids"] for row in rows]), full["token_ids"])
 
-    assert len(list(Activations(acts.folder, keys="token_ids", drop_last=True))) == count  # rows: every one
+    assert len(list(Activations(acts.folder, keys="layer_output.1", drop_last=True))) == count  # rows: every one
     stacked = list(DataLoader(Activations(acts.folder, keys="layer_output.1"), batch_size=7))
     assert set(stacked[0]) == {"layer_output.1", "token_ids"} and stacked[0]["layer_output.1"].shape == (7, 128)
     assert torch.equal(torch.cat([batch["layer_output.1"] for batch in stacked]), full["layer_output.1"])
