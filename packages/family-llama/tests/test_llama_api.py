@@ -313,6 +313,22 @@ def test_commands_refuse_bad_options_before_starting_vllm(tiny_llama, tmp_path):
     result = runner.invoke(app, ["patterns", str(tiny_llama), "--layer", "-4"])
     assert result.exit_code == 1 and "blocks 0 to 2" in result.output
     assert runner.invoke(app, ["lens", str(tiny_llama), "--top", "0"]).exit_code == 2
+    # Typed options (#49): a misspelt value says the nearest, a block must be an integer, dtype and positions are choices.
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a prompt\n")
+
+    def said(result) -> str:  # the message, out of rich's box
+        return " ".join(result.output.replace("\u2502", " ").split())
+
+    result = runner.invoke(app, ["collect", str(prompts), str(tiny_llama), "--value", "layer_outptu"])
+    assert result.exit_code == 2 and "did you mean 'layer_output'" in said(result), result.output
+    result = runner.invoke(app, ["collect", str(prompts), str(tiny_llama), "--layers", "0,one"])
+    assert result.exit_code == 2 and "expected block indices" in said(result), result.output
+    for option, bad in (("--dtype", "int8"), ("--positions", "first")):
+        result = runner.invoke(app, ["collect", str(prompts), str(tiny_llama), "--context-length", "8", option, bad])
+        assert result.exit_code == 2 and option in result.output, result.output
+    result = runner.invoke(app, ["collect", str(prompts), str(tiny_llama), "--layers", "0", "--layers", "-4"])
+    assert result.exit_code == 1 and "blocks 0 to 2" in result.output, result.output  # repeated: both are checked
 
 
 @on_tiny_llama
@@ -436,8 +452,8 @@ def test_a_misspelt_value_name_says_the_standard_name_it_is_close_to(subject):
 
 
 @on_tiny_llama
-def test_the_python_api_draws_no_progress_bar_nor_logs_vllms_info_unless_asked(subject, capfd):
-    """Traces, collect and generate print nothing of their own by default; progress=True draws a bar (#49)."""
+def test_a_trace_draws_no_bar_nor_logs_vllms_info_and_long_calls_draw_one_bar(subject, capfd):
+    """Traces print nothing of their own unless asked; collect and generate draw one bar unless progress=False (#49)."""
     from vllm import SamplingParams
 
     model, prompt = subject.model, subject.prompts[0]
@@ -445,17 +461,17 @@ def test_the_python_api_draws_no_progress_bar_nor_logs_vllms_info_unless_asked(s
     capfd.readouterr()
     with model.trace(prompt, temperature=0.0):
         model.logits.save()
-    vlenvoys.collect(model, [prompt], "layer_output", 0)
-    vlenvoys.generate(model, [prompt], SamplingParams(max_tokens=2))
     model.generate("The sun", max_tokens=2)  # nnsight's plain run, outside a block
+    vlenvoys.collect(model, [prompt], "layer_output", 0, progress=False)
+    vlenvoys.generate(model, [prompt], SamplingParams(max_tokens=2), progress=False)
     quiet = capfd.readouterr()
     assert "%|" not in quiet.err + quiet.out, quiet.err
     with model.trace(prompt, temperature=0.0, progress=True):
         model.logits.save()
     assert "Processed prompts" in capfd.readouterr().err
-    vlenvoys.collect(model, [prompt, prompt], "layer_output", 0, progress=True)
+    vlenvoys.collect(model, [prompt, prompt], "layer_output", 0)
     assert "2/2" in capfd.readouterr().err
-    vlenvoys.generate(model, [prompt], SamplingParams(max_tokens=2), progress=True)
+    vlenvoys.generate(model, [prompt], SamplingParams(max_tokens=2))
     assert "Processed prompts" in capfd.readouterr().err
     # The earlier forms still work, with a DeprecationWarning.
     counted = []

@@ -274,6 +274,7 @@ MALFORMED = [
     ({"steering": [{"layer": 1, "vector": "up", "factor": 1e30}]}, "beyond"),
     ({"steering": [{"layer": 1, "vector": "up", "positions": "some"}]}, "positions"),
     ({"steering": [{"layer": 1, "vector": "up", "positions": [-1]}]}, "positions"),
+    ({"steering": [{"layer": 1, "vector": "up", "positions": list(range(65537))}]}, "65537 positions, at most 65536"),
     ({"steering": [{"layer": 1, "vector": "up", "colour": 1}]}, "unknown keys ['colour']"),
     ({"steering": [{"layer": 1, "vector": "up"}, {"layer": 1, "vector": "down"}]}, "block 1 is steered by two entries"),
     ({"steering": [{"layer": 0, "vector": "up"}] * 17}, "at most 16 are served"),
@@ -329,6 +330,42 @@ def test_a_malformed_request_is_a_400_with_its_reason_and_the_server_goes_on(ser
                        json={"model": server["model"], "prompt": "The cat", "max_tokens": 2,
                              "steering": [{"layer": 1, "vector": "up"}]})
     assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 2
+
+
+def test_serve_without_a_model_serves_the_built_in_one():
+    """`vlenvoys serve` alone serves SmolLM2-135M-Instruct offline (not vLLM's default hub model), as load() does."""
+    from vlenvoys.serve.server import BUILTIN_NAME, parsed
+    from vlenvoys.weights import WeightsUnavailable, smollm2_path
+
+    try:
+        built_in = str(smollm2_path())
+    except WeightsUnavailable as error:
+        pytest.skip(str(error))
+    args = parsed(["--port", "8123", "--cuda-graphs"])
+    assert (args.model, args.served_model_name) == (built_in, [BUILTIN_NAME])
+    assert parsed(["--served-model-name", "mine"]).served_model_name == ["mine"]
+    assert parsed(["some/checkpoint", "--port", "8123"]).model_tag == "some/checkpoint"
+    for named in (["--model", "some/checkpoint"], ["--model=some/checkpoint"]):
+        assert parsed(named).model == "some/checkpoint" and not parsed(named).served_model_name
+
+
+def test_the_openapi_document_describes_steering_and_capture(server):
+    """/openapi.json (and /docs) show the request fields the middleware serves, with the keys it takes (#49)."""
+    import httpx
+    from vlenvoys.serve import capture, steering
+    from vlenvoys.values.names import OWNERS
+
+    document = httpx.get(f"{server['url']}/openapi.json", timeout=60).json()
+    schemas = document["components"]["schemas"]
+    for request in ("CompletionRequest", "ChatCompletionRequest"):
+        fields = schemas[request]["properties"]
+        assert {"steering", "capture", "capture_transport"} <= set(fields), request
+        assert fields["capture_transport"]["anyOf"][0]["enum"] == list(capture.TRANSPORTS)
+    assert set(schemas["SteeringEntry"]["properties"]) == steering.ENTRY_KEYS
+    assert set(schemas["CaptureEntry"]["properties"]) == capture.ENTRY_KEYS
+    assert schemas["CaptureEntry"]["properties"]["value"]["enum"] == list(OWNERS)
+    assert schemas["SteeringEntry"]["required"] == ["layer", "vector"]
+    assert httpx.get(f"{server['url']}/openapi.json", timeout=60).json() == document  # asked twice, the same
 
 
 @on_llama

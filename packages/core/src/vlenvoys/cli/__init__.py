@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import difflib
+import enum
 import json
 import logging
 import os
@@ -66,9 +68,53 @@ def check_output(path: Path) -> None:
         raise FileNotFoundError(f"cannot save {path}: there is no folder {path.parent}")
 
 
+class ShardDtype(str, enum.Enum):
+    """How shards store values (`vlenvoys.activations.collect_dataset`'s ``dtype``)."""
+
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    float32 = "float32"
+
+
+class ShardPositions(str, enum.Enum):
+    """Which positions shards keep (``collect_dataset``'s ``positions``)."""
+
+    all = "all"
+    no_bos = "no_bos"
+    last = "last"
+
+
+def block_list(text: str | int) -> list[int]:
+    """``--layers``' parser: one block index or several, comma-separated (``5``, ``5,15``, ``-1``)."""
+    if isinstance(text, int):  # the default, already an int
+        return [text]
+    try:
+        return [int(each) for each in text.split(",") if each.strip()]
+    except ValueError:
+        raise typer.BadParameter(
+            f"expected block indices such as 5 or 5,15 (negative count from the end), got {text!r}"
+        ) from None
+
+
+def value_list(text: str) -> list[str]:
+    """``--value``'s parser: standard block value names, comma-separated; an unknown one says the nearest."""
+    names = [each.strip() for each in text.split(",") if each.strip()]
+    for name in names:
+        if name not in OWNERS:
+            close = difflib.get_close_matches(name, list(OWNERS), n=1)
+            nearest = f"did you mean {close[0]!r}? " if close else ""
+            raise typer.BadParameter(f"{name!r} is not a block value; {nearest}the values are {', '.join(OWNERS)}")
+    return names
+
+
+def flat(lists: list[list]) -> list:
+    """A repeatable list option's occurrences, each parsed into a list, as one list in order."""
+    return [each for listed in lists for each in listed]
+
+
 Model = Annotated[
     Optional[str],
-    typer.Argument(help="A local checkpoint folder; omit it for the built-in SmolLM2-135M-Instruct."),
+    typer.Argument(help="A checkpoint folder or a Hugging Face model id; omit it for the built-in SmolLM2-135M-Instruct."),
 ]
 
 
@@ -159,9 +205,19 @@ def collect(
     ],
     model: Model = None,
     value: Annotated[
-        str, typer.Option(help="A block value: layer_output, layer_mid, attention_output, mlp_neurons, ... (comma-separated: several, with --context-length).")
-    ] = "layer_output",
-    layers: Annotated[str, typer.Option(help="Comma-separated block indices (negative count from the end).")] = "0",
+        list[str],
+        typer.Option(
+            parser=value_list, metavar="VALUE[,VALUE...]",
+            help=f"A block value ({', '.join(OWNERS)}); several (comma-separated or repeated) with --context-length.",
+        ),
+    ] = ["layer_output"],  # noqa: B006 (typer's default of a list option; never mutated)
+    layers: Annotated[
+        list[int],
+        typer.Option(
+            parser=block_list, metavar="INT[,INT...]",
+            help="Block indices, comma-separated or repeated (negative count from the end).",
+        ),
+    ] = [0],  # noqa: B006
     out: Annotated[
         Optional[Path], typer.Option(help="The safetensors file to write (default values.safetensors); with --context-length, the folder of shards (default activations).")
     ] = None,
@@ -176,8 +232,10 @@ def collect(
         Optional[str], typer.Option(help="The split to read of a source with several (an hf: dataset, a saved DatasetDict).")
     ] = None,
     subset: Annotated[Optional[str], typer.Option(help="An hf: dataset's subset (its configuration).")] = None,
-    dtype: Annotated[str, typer.Option(help="How shards store values: bfloat16, float16 or float32.")] = "bfloat16",
-    positions: Annotated[str, typer.Option(help="Which positions shards keep: all, no_bos (drop BOS tokens) or last.")] = "all",
+    dtype: Annotated[ShardDtype, typer.Option(help="How shards store values.")] = ShardDtype.bfloat16,
+    positions: Annotated[
+        ShardPositions, typer.Option(help="Which positions shards keep (no_bos: drop BOS tokens).")
+    ] = ShardPositions.all,
     shard_tokens: Annotated[int, typer.Option(min=1, help="Tokens of windows per shard.")] = 2**16,
     max_tokens: Annotated[Optional[int], typer.Option(min=1, help="Stop after this many tokens of windows.")] = None,
     bos: Annotated[bool, typer.Option(help="Start each window with the BOS token (documents are separated by it).")] = True,
@@ -198,18 +256,12 @@ def collect(
     leave the engine, and a manifest (vlenvoys.activations.Activations reads
     it). Interrupted, the same command continues after the last complete shard.
     """
-    owners = OWNERS
-    values = [name.strip() for name in value.split(",") if name.strip()]
-    for name in values:
-        if name not in owners:
-            raise typer.BadParameter(f"{name!r} is not a block value; choose from {', '.join(owners)}")
+    values, chosen = flat(value), flat(layers)
+    if not values or not chosen:
+        raise typer.BadParameter("--value and --layers need at least one name and one block")
     if context_length is None and len(values) != 1:
         raise typer.BadParameter("one value per prompts file; several need --context-length (a folder of shards)")
     with friendly_errors():
-        try:
-            chosen = [int(layer) for layer in layers.split(",")]
-        except ValueError:
-            raise ValueError(f"--layers takes comma-separated block indices, got {layers!r}") from None
         # The name the user gave (a hub name, a folder), not the cache folder it resolves to.
         named = str(model) if model is not None else "SmolLM2-135M-Instruct (built-in, float32)"
         model = checkpoint(model)
@@ -220,7 +272,7 @@ def collect(
         else:
             _collect_windows(
                 source, model, values, chosen, out or Path("activations"), batch, context_length,
-                field=field, split=split, subset=subset, dtype=dtype, positions=positions, shard_tokens=shard_tokens, max_tokens=max_tokens, bos=bos,
+                field=field, split=split, subset=subset, dtype=dtype.value, positions=positions.value, shard_tokens=shard_tokens, max_tokens=max_tokens, bos=bos,
             )
 
 
@@ -341,8 +393,8 @@ def families() -> None:
 def serve(ctx: typer.Context) -> None:
     """vLLM's OpenAI-compatible server on vlenvoys' worker, with per-request steering.
 
-    vlenvoys serve MODEL [any vllm serve argument] [--vectors FILE.safetensors]:
-    /v1/completions and /v1/chat/completions take a "steering" field
+    vlenvoys serve [MODEL] [any vllm serve argument] [--vectors FILE.safetensors]
+    (without MODEL, the built-in SmolLM2-135M-Instruct): /v1/completions and /v1/chat/completions take a "steering" field
     (vlenvoys.serve.steering). vlenvoys serve --help lists every argument.
     """
     with friendly_errors():

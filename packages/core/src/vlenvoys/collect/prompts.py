@@ -59,7 +59,7 @@ def collect(
     layers: int | Sequence[int],
     *,
     batch_size: int | None = None,
-    progress: bool | Callable[[int], Any] = False,
+    progress: bool | Callable[[int], Any] = True,
 ) -> dict[str, list[torch.Tensor]]:
     """Read block values of every prompt, with one block installed on the engine.
 
@@ -89,8 +89,8 @@ def collect(
             prompts with 256 in flight, 0.38 s with all of them). The values
             come back whatever the number in flight, so more holds no more
             memory.
-        progress: Show a progress bar (tqdm's, prompts finished); none by
-            default. A callable, called with the number of prompts finished
+        progress: Show a progress bar (tqdm's, prompts finished; on by
+            default, ``False`` for none). A callable, called with the number of prompts finished
             after each engine step that finished some, is still taken, with a
             DeprecationWarning.
 

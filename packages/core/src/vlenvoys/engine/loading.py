@@ -35,9 +35,10 @@ def load(
             real model, SmolLM2-135M-Instruct (see `vlenvoys.weights`).
         **engine_kwargs: vLLM engine arguments (``dtype``, ``max_model_len``,
             ``tensor_parallel_size``, ...) and nnsight ``VLLM`` arguments. On
-            every platform the dtype defaults to the checkpoint's own (float32
-            where it names none; vLLM would otherwise run float32 checkpoints
-            in half precision); on a GPU a float32 engine's Triton kernels run
+            every platform the dtype defaults to a local checkpoint's own
+            (float32 where it names none; vLLM would otherwise run float32
+            checkpoints in half precision) and to float32 for a hub name, the
+            oracle's precision (pass ``dtype="auto"`` for the hub config's); on a GPU a float32 engine's Triton kernels run
             in full float32 (see `float32_kernels`); on the CPU engine the KV
             cache defaults to 1 GiB. Prefix caching is on, as on stock vLLM, for
             plain requests: a traced, collected or steered request carries a
@@ -133,7 +134,7 @@ def engine_defaults(model: str, engine_kwargs: dict) -> None:
 
     # vLLM downcasts float32 checkpoints to half precision unless told otherwise
     # (bfloat16 on the CPU, float16 or bfloat16 on a GPU): keep the checkpoint's
-    # own dtype, on every platform, and float32 where it names none.
+    # own dtype, on every platform, and float32 where it names none or the model is a hub name (read by vLLM).
     config = Path(model) / "config.json"
     settings = json.loads(config.read_text()) if config.is_file() else {}
     engine_kwargs.setdefault("dtype", settings.get("dtype") or settings.get("torch_dtype") or "float32")

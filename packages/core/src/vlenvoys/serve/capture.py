@@ -91,7 +91,7 @@ import torch
 from ..collect.rows import new_name, received
 from ..values.names import ORDER, OWNERS
 from ..wire.requests import COLLECT_GENERATED_KEY, COLLECT_ID_KEY, COLLECT_KEY, STEER_KEY
-from ..wire.steering import salt_of
+from ..wire.steering import MAX_POSITIONS, salt_of
 from .fields import CAPTURES_PATH, GENERATING, SteeringError, field_entries
 
 __all__ = [
@@ -107,8 +107,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 MAX_BYTES = 64 << 20
 #: The most entries a request's capture may have.
 MAX_ENTRIES = 16
-#: The most positions an entry may list.
-MAX_POSITIONS = 1 << 16
 #: Collectors (one per distinct set of reads) kept on the engine; the least recently used idle one goes beyond.
 MAX_COLLECTORS = 32
 #: The named choices of an entry's positions.

@@ -28,11 +28,12 @@ import torch
 from ..engine.loading import cpu_ranks, engine_defaults, float32_kernels
 from ..engine.processes import worker_class
 from ..values.family import resolve_checkpoint
+from ..weights import smollm2_path
 from ..wire.requests import COLLECT_ID_KEY, COLLECT_KEY, STEER_KEY
 from ..wire.shm import engine_named, sweep
 from ..wire.steering import salt_of
 from .capture import HELD_BYTES, HELD_SECONDS, PENDING, CaptureGone, Captures, Held, as_file, transport_of
-from .fields import CAPTURES_PATH, FETCH_TOGETHER, GENERATING, VECTORS_PATH, SteeringError
+from .fields import CAPTURES_PATH, FETCH_TOGETHER, GENERATING, VECTORS_PATH, SteeringError, document
 from .steering import VECTORS, rewritten
 
 __all__ = ["MIDDLEWARE", "SteeringMiddleware", "anyio_classes_first", "guard", "main", "parser", "prepare"]
@@ -108,6 +109,8 @@ class SteeringMiddleware:
         if self.shape is not None:
             return
         guard(app.state.engine_client)
+        openapi = app.openapi  # the request fields served here appear in /openapi.json and /docs
+        app.openapi = lambda: document(openapi())
         config = app.state.vllm_config.model_config
         self.shape = (int(config.get_hidden_size()), int(config.hf_text_config.num_hidden_layers), config.dtype)
         from vllm.config import CUDAGraphMode
@@ -316,6 +319,28 @@ def parser() -> Any:
     return made
 
 
+#: The name the built-in model is served under where ``vlenvoys serve`` names no model (and no name).
+BUILTIN_NAME = "SmolLM2-135M-Instruct"
+
+
+def parsed(argv: Sequence[str]) -> Any:
+    """``vlenvoys serve``'s arguments, parsed by `parser`; the built-in model where they name none.
+
+    vLLM's own default model is a hub name (fetched); ``vlenvoys serve`` with
+    no model serves the built-in SmolLM2-135M-Instruct instead, offline, as
+    `vlenvoys.load()` does, under the name `BUILTIN_NAME` unless
+    ``--served-model-name`` gives one.
+    """
+    argv = list(argv)
+    args = parser().parse_args(argv)
+    named = getattr(args, "model_tag", None) or any(each == "--model" or each.startswith("--model=") for each in argv)
+    if not named:
+        args.model = str(smollm2_path())
+        if not args.served_model_name:
+            args.served_model_name = [BUILTIN_NAME]
+    return args
+
+
 def prepare(args: Any) -> None:
     """Check ``args`` and give them vlenvoys' engine settings (where the user chose none).
 
@@ -426,7 +451,7 @@ def anyio_classes_first() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``vlenvoys serve MODEL [vLLM server arguments] [--vectors FILE] [--cuda-graphs]``: serve until stopped."""
+    """``vlenvoys serve [MODEL] [vLLM server arguments] [--vectors FILE] [--cuda-graphs]``: serve until stopped."""
     import uvloop
     from vllm.entrypoints.launchers.api_server.entry import run_server
     from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
@@ -434,10 +459,11 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     cli_env_setup()
     anyio_classes_first()
-    args = parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    args = parsed(sys.argv[1:] if argv is None else argv)
     prepare(args)
     validate_parsed_serve_args(args)
-    print(f"vlenvoys serve: {args.model} ({args.dtype}) on http://{args.host or '0.0.0.0'}:{args.port}/v1, "
+    name = f" as {args.served_model_name[0]!r}" if args.served_model_name else ""
+    print(f"vlenvoys serve: {args.model}{name} ({args.dtype}) on http://{args.host or '0.0.0.0'}:{args.port}/v1, "
           f"steering on {', '.join(GENERATING)}; {len(VECTORS.named)} named vectors", file=sys.stderr, flush=True)
     with cpu_ranks(args.tensor_parallel_size), float32_kernels(args.dtype), engine_named() as engine:
         try:

@@ -88,7 +88,7 @@ def generate(
     sampling_params: Any = None,
     *,
     steering: Steering | Sequence[Steering | None] | None = None,
-    progress: bool = False,
+    progress: bool = True,
     use_tqdm: bool | Callable | None = None,
 ) -> list[Any]:
     """Generate from ``prompts`` with each request's own steering; vLLM's ``LLM.generate`` otherwise.
@@ -100,7 +100,8 @@ def generate(
             prompt); vLLM's defaults when None. Their ``extra_args`` are kept.
         steering: One `Steering` for every request, one per prompt (None:
             that request is not steered), or None.
-        progress: Show vLLM's progress bars (none by default, as `vlenvoys.collect` and traces).
+        progress: Show vLLM's progress bar of the requests (on by default, as for `vlenvoys.collect`;
+            a trace draws none unless asked). ``False`` for none.
         use_tqdm: Deprecated (a DeprecationWarning): vLLM's own argument, which
             this function showed by default; when given, it is passed to vLLM as
             it is, over ``progress``.
@@ -135,7 +136,7 @@ def generate(
     else:
         warnings.warn(
             "vlenvoys.generate(use_tqdm=...) is deprecated: pass progress=True for vLLM's progress bars "
-            "(none is shown by default now)",
+            "(False for none)",
             DeprecationWarning,
             stacklevel=2,
         )
