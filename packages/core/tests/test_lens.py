@@ -34,8 +34,10 @@ def template_backend():
 
 def test_heatmap_saves_without_switching_matplotlibs_backend(template_backend, tmp_path):
     pyplot_before = "matplotlib.pyplot" in sys.modules
-    saved = tiny_lens().heatmap(tmp_path / "lens.png", title="tiny")
-    assert saved == tmp_path / "lens.png" and saved.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    figure = tiny_lens().heatmap(tmp_path / "lens.png", title="tiny")
+    assert isinstance(figure, Figure) and figure.axes[0].get_title() == "tiny"
+    assert (tmp_path / "lens.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert isinstance(tiny_lens().heatmap(), Figure), "without a path: the figure alone, nothing saved"
     assert matplotlib.get_backend() == "template", "a notebook's backend stays its own"
     assert ("matplotlib.pyplot" in sys.modules) == pyplot_before, "no pyplot, whose figures a notebook would show twice"
 

@@ -142,7 +142,8 @@ def lens(
         finally:
             shutdown(loaded)
     console.print(result.table(title=f"logit lens: {prompt!r}"))
-    console.print(f"final prediction: {result.top_tokens[-1][0]!r}; heatmap saved to {result.heatmap(out, title=prompt)}")
+    result.heatmap(out, title=prompt)
+    console.print(f"final prediction: {result.top_tokens[-1][0]!r}; heatmap saved to {out}")
 
 
 @app.command()

@@ -78,15 +78,20 @@ class Lens:
         figure.tight_layout()
         return figure
 
-    def heatmap(self, path: str | Path, title: str | None = None) -> Path:
-        """Save `figure` to ``path`` (its suffix picks the format: ``.png``, ``.svg``, ``.pdf``); returns the path.
+    def heatmap(self, path: str | Path | None = None, title: str | None = None) -> Figure:
+        """The heatmap as a matplotlib ``Figure`` (`figure`), saved to ``path`` too where given (its suffix picks
+        the format: ``.png``, ``.svg``, ``.pdf``).
 
         matplotlib's backend is not switched (see `figure`), so this is safe to
         call in a notebook or beside an interactive backend.
+
+        Raises:
+            FileNotFoundError: ``path``'s folder does not exist.
         """
-        path = Path(path)
-        self.figure(title).savefig(path, dpi=120)
-        return path
+        made = self.figure(title)
+        if path is not None:
+            made.savefig(Path(path), dpi=120)
+        return made
 
     _decoder = None
 
