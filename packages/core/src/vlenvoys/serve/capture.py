@@ -634,10 +634,19 @@ def _values_of_each(packed: dict, batch: dict[str, tuple], head_dims: dict) -> d
     None, held)), None for those not wanted."""
     taken = received(packed, joined=False)  # `_values` copies each request's pieces into place: none joined first
     at = {name: index for index, name in enumerate(taken["order"])}
-    return {
-        name: _values(taken, name, at.get(name), head_dims, entries, completed, held) if wanted else None
-        for name, (_, entries, wanted, completed, held) in batch.items()
-    }
+    # One intra-op thread for these copies (OpenMP's setting is this thread's; put back after): each is a few
+    # MiB into new pages, which two threads copied 2.5 to 3.5 times slower than one, in CPU and in wall time
+    # (64 captures of 2.9 MB on the CPU engine's host: 1.34 s against 0.54 s, alone; in the server, 1.12 s
+    # of CPU a round against 0.23 s; benchmarks/results/serve-capture-cost-cpu.md).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return {
+            name: _values(taken, name, at.get(name), head_dims, entries, completed, held) if wanted else None
+            for name, (_, entries, wanted, completed, held) in batch.items()
+        }
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _inline(answer: dict, values: list[tuple[dict, torch.Tensor]]) -> bytes:
