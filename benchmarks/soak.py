@@ -375,7 +375,7 @@ class Traces:
 
         params = SamplingParams(temperature=0.0, max_tokens=self.steps, ignore_eos=True, logprobs=1)
         layer, direction, factor = steer
-        outputs = vlenvoys.generate(self.model, prompts, params, use_tqdm=False,
+        outputs = vlenvoys.generate(self.model, prompts, params, progress=False,
                                     steering=[vlenvoys.Steering(layer, direction, factor), None])
         return [[(token, step[token].logprob) for token, step in zip(each.token_ids, each.logprobs, strict=True)]
                 for each in (done.outputs[0] for done in outputs)]

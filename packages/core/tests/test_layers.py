@@ -78,3 +78,16 @@ def test_the_runtime_lists_its_value_names_once():
     ]
     assert defining == ["vlenvoys.values.names"]
     assert list(OWNERS) == [value for _, value in VALUES]
+
+
+def test_the_readmes_modules_are_reachable_after_import_vlenvoys():
+    """``import vlenvoys; vlenvoys.activations.collect_dataset(...)`` (#49), in a fresh process, and no optional package
+    (datasets, matplotlib, pandas) is imported by it."""
+    program = (
+        "import sys, vlenvoys; "
+        "print(vlenvoys.activations.collect_dataset.__module__, vlenvoys.capturing.fetch.__module__); "
+        "print(sorted(name for name in ('datasets', 'matplotlib', 'pandas', 'pyarrow') if name in sys.modules))"
+    )
+    ran = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=600)
+    assert ran.returncode == 0, ran.stderr[-4000:]
+    assert ran.stdout.splitlines()[-2:] == ["vlenvoys.collect.activations vlenvoys.serve.client", "[]"]

@@ -119,4 +119,5 @@ def test_logit_lens(subject, tmp_path):
     want = subject.expected(index)["logits"].softmax(-1)
     assert (lens.probabilities[-1, -1] - want).abs().max() <= 1e-5
     assert lens.top_ids.shape == (layers, 3)
-    assert lens.heatmap(tmp_path / "lens.png", title=text).is_file()
+    lens.heatmap(tmp_path / "lens.png", title=text)
+    assert (tmp_path / "lens.png").is_file()

@@ -80,7 +80,7 @@ def main() -> None:
         "collect_dataset": lambda: collect_dataset(model, texts, folder / "acts", "layer_output", [1], context_length=64,
                                                    progress=False),
         "generate": lambda: vlenvoys.generate(model, many, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True),
-                                              steering=vlenvoys.Steering(1, torch.ones(model.hidden_size)), use_tqdm=False),
+                                              steering=vlenvoys.Steering(1, torch.ones(model.hidden_size))),
     }
     engine = model.vllm_entrypoint.llm_engine
     abort = engine.abort_request

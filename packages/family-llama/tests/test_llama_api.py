@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import warnings
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
+import vlenvoys
 import vlenvoys_testing as testing
 from vlenvoys.cli import app
 from vlenvoys_testing.conformance import close, logits_of
@@ -310,6 +313,22 @@ def test_commands_refuse_bad_options_before_starting_vllm(tiny_llama, tmp_path):
     result = runner.invoke(app, ["patterns", str(tiny_llama), "--layer", "-4"])
     assert result.exit_code == 1 and "blocks 0 to 2" in result.output
     assert runner.invoke(app, ["lens", str(tiny_llama), "--top", "0"]).exit_code == 2
+    # Typed options (#49): a misspelt value says the nearest, a block must be an integer, dtype and positions are choices.
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a prompt\n")
+
+    def said(result) -> str:  # the message, out of rich's box
+        return " ".join(result.output.replace("\u2502", " ").split())
+
+    result = runner.invoke(app, ["collect", str(prompts), str(tiny_llama), "--value", "layer_outptu"])
+    assert result.exit_code == 2 and "did you mean 'layer_output'" in said(result), result.output
+    result = runner.invoke(app, ["collect", str(prompts), str(tiny_llama), "--layers", "0,one"])
+    assert result.exit_code == 2 and "expected block indices" in said(result), result.output
+    for option, bad in (("--dtype", "int8"), ("--positions", "first")):
+        result = runner.invoke(app, ["collect", str(prompts), str(tiny_llama), "--context-length", "8", option, bad])
+        assert result.exit_code == 2 and option in result.output, result.output
+    result = runner.invoke(app, ["collect", str(prompts), str(tiny_llama), "--layers", "0", "--layers", "-4"])
+    assert result.exit_code == 1 and "blocks 0 to 2" in result.output, result.output  # repeated: both are checked
 
 
 @on_tiny_llama
@@ -356,3 +375,109 @@ def test_envoys_travel_by_path_unless_the_client_gave_them_something_of_its_own(
         del model.layers[1].scale
     assert model._travels_by_path()
     assert torch.equal(scaled.cpu(), plain.cpu() * 3.0)
+
+
+def generated(result) -> int:
+    """How many tokens a trace's request generated (``tracer.result``: its vLLM RequestOutput)."""
+    return len(result.outputs[0].token_ids)
+
+
+@on_tiny_llama
+def test_a_trace_is_one_forward_pass_unless_it_asks_for_more(subject):
+    """As on transformers and nnterp, a trace is one forward (max_tokens=1); what the user names wins (#49)."""
+    model, prompts = subject.model, subject.prompts[:2]
+    with model.trace(prompts[0], temperature=0.0) as tracer:
+        one = tracer.result.save()
+    with model.trace(prompts[0], temperature=0.0, max_new_tokens=3, ignore_eos=True) as tracer:
+        three = tracer.result.save()
+    assert (generated(one), generated(three)) == (1, 3)
+    with model.trace(temperature=0.0, ignore_eos=True) as tracer:
+        results = list().save()
+        with tracer.invoke(prompts[0]):
+            results.append(tracer.result)
+        with tracer.invoke(prompts[1], max_tokens=2):
+            results.append(tracer.result)
+    assert [generated(result) for result in results] == [1, 2]
+    with model.trace(temperature=0.0, max_tokens=4, ignore_eos=True) as tracer:
+        with tracer.invoke(prompts[0]):
+            four = tracer.result.save()
+    assert generated(four) == 4
+    # A trace that steps through a generation keeps vLLM's own length (16), as a `model.generate` block does.
+    with model.trace(prompts[0], temperature=0.0, ignore_eos=True) as tracer:
+        steps = list().save()
+        for _ in tracer.iter[0:3]:
+            steps.append(model.layers[0].layer_output.shape[1])
+        stepped = tracer.result.save()
+    assert steps == [len(prompts[0]), 1, 1] and generated(stepped) == 16
+    with model.generate(prompts[0], temperature=0.0, ignore_eos=True) as tracer:
+        default = tracer.result.save()
+    assert generated(default) == 16
+    # min_tokens alone asks for a generation: it is not cut to one token (nor refused by vLLM as above max_tokens).
+    with model.trace(prompts[0], temperature=0.0, min_tokens=2, ignore_eos=True) as tracer:
+        at_least = tracer.result.save()
+    assert generated(at_least) == 16
+
+
+@on_tiny_llama
+def test_a_blocks_raw_output_warns_once_where_it_is_read_and_stays_readable(subject):
+    """vLLM's block returns (hidden_states, residual): output[0] is not the stream; the warning says where it is."""
+    model, prompt = subject.model, subject.prompts[1]
+    with pytest.warns(vlenvoys.RawOutputWarning, match=r"\.layer_output") as warned:
+        with model.trace(prompt, temperature=0.0):
+            raw = model.layers[1].output[0].save()
+            stream = model.layers[1].layer_output.save()
+    raw_warnings = [entry for entry in warned if entry.category is vlenvoys.RawOutputWarning]
+    assert [entry.filename for entry in raw_warnings] == [__file__], "once, at the user's line"
+    assert raw.shape == (len(prompt), subject.hidden_size) and not torch.equal(raw.cpu(), stream[0].cpu())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", vlenvoys.RawOutputWarning)
+        with model.trace(prompt, temperature=0.0):
+            model.layers[1].mlp.output.save()  # a sublayer's output is its contribution: no pointer needed
+            model.layers[1].layer_output.save()
+
+
+@on_tiny_llama
+def test_a_misspelt_value_name_says_the_standard_name_it_is_close_to(subject):
+    model, prompt = subject.model, subject.prompts[0]
+    with pytest.raises(AttributeError, match=r"layer_ouput.*did you mean 'layer_output'\?"):
+        with model.trace(prompt, temperature=0.0):
+            model.layers[0].layer_ouput.save()
+    with pytest.raises(AttributeError, match=r"attention_output.*self_attn\.attention_output"):
+        with model.trace(prompt, temperature=0.0):
+            model.layers[0].attention_output.save()
+    with pytest.raises(AttributeError, match=r"did you mean 'mlp_neurons'\?"):
+        with model.trace(prompt, temperature=0.0):
+            model.layers[0].mlp.mlp_neuron.save()
+    assert torch.equal(logits_of(model, prompt), logits_of(model, prompt))
+
+
+@on_tiny_llama
+def test_a_trace_draws_no_bar_nor_logs_vllms_info_and_long_calls_draw_one_bar(subject, capfd):
+    """Traces print nothing of their own unless asked; collect and generate draw one bar unless progress=False (#49)."""
+    from vllm import SamplingParams
+
+    model, prompt = subject.model, subject.prompts[0]
+    assert logging.getLogger("vllm").getEffectiveLevel() == logging.WARNING, "load quiets vLLM's INFO log"
+    capfd.readouterr()
+    with model.trace(prompt, temperature=0.0):
+        model.logits.save()
+    model.generate("The sun", max_tokens=2)  # nnsight's plain run, outside a block
+    vlenvoys.collect(model, [prompt], "layer_output", 0, progress=False)
+    vlenvoys.generate(model, [prompt], SamplingParams(max_tokens=2), progress=False)
+    quiet = capfd.readouterr()
+    assert "%|" not in quiet.err + quiet.out, quiet.err
+    with model.trace(prompt, temperature=0.0, progress=True):
+        model.logits.save()
+    assert "Processed prompts" in capfd.readouterr().err
+    vlenvoys.collect(model, [prompt, prompt], "layer_output", 0)
+    assert "2/2" in capfd.readouterr().err
+    vlenvoys.generate(model, [prompt], SamplingParams(max_tokens=2))
+    assert "Processed prompts" in capfd.readouterr().err
+    # The earlier forms still work, with a DeprecationWarning.
+    counted = []
+    with pytest.warns(DeprecationWarning, match="progress=True"):
+        vlenvoys.collect(model, [prompt, prompt], "layer_output", 0, progress=counted.append)
+    assert sum(counted) == 2
+    with pytest.warns(DeprecationWarning, match="progress="):
+        vlenvoys.generate(model, [prompt], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert "%|" not in capfd.readouterr().err

@@ -262,7 +262,7 @@ def test_both_paths_serve_the_same_values(subject):
         ({"batch_size": 0}, ValueError, "batch_size must be at least 1"),
         ({"batch_size": 1.5}, TypeError, "batch_size must be an int"),
         ({"layers": 1.0}, TypeError, "layers must be a block index"),
-        ({"progress": 5}, TypeError, "progress must be callable"),
+        ({"progress": 5}, TypeError, "progress must be True or False"),
         ({"prompts": [[1.0, 2.0]]}, TypeError, "prompt 0 holds 1.0, a float"),
     ],
 )

@@ -147,6 +147,20 @@ def test_positions_and_dtype(subject, full_run, tmp_path):
 
 
 @on_tiny_llama
+def test_batches_add_extra_keys_to_the_values_and_refuse_keys_without_a_value(subject, full_run):
+    """``keys`` chooses the values (replacing the default, every value); ``extra_keys`` adds beside them (#49)."""
+    _, _, written, _ = full_run
+    first = next(written.batches(4, extra_keys=["window", "position"]))
+    assert first.keys() == {*written.keys, "token_ids", "window", "position"}
+    chosen = next(written.batches(4, keys=["layer_output.0"], extra_keys="window"))
+    assert chosen.keys() == {"layer_output.0", "token_ids", "window"}
+    with pytest.raises(ValueError, match=r"keys=\['window'\] names no value.*extra_keys=\['window'\]"):
+        next(written.batches(4, keys=["window"]))
+    with pytest.raises(KeyError, match="not in this dataset"):
+        next(written.batches(4, extra_keys=["layer_input.0"]))
+
+
+@on_tiny_llama
 def test_batches_give_each_row_once(subject, full_run):
     _, _, written, _ = full_run
     full = rows(written.folder)

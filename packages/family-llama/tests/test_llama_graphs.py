@@ -47,14 +47,14 @@ def test_steered_generation_equals_steering_in_a_trace_on_the_eager_engine(subje
     steered = [number % 2 == 0 for number in range(len(prompts))]
     steering = [vlenvoys.Steering(1, vector, 2.0) if flag else None for flag in steered]
     params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=1)
-    outputs = vlenvoys.generate(graph_engine, prompts, params, steering=steering, use_tqdm=False)
+    outputs = vlenvoys.generate(graph_engine, prompts, params, steering=steering)
     traced = steered_in_a_trace(subject.model, prompts, steered, vector, 2.0, STEPS)
     for number, (output, logits) in enumerate(zip(outputs, traced, strict=True)):
         assert list(output.outputs[0].token_ids) == [int(step.argmax()) for step in logits], number
         for (token, offered), step in zip(logprobs_of(output), logits, strict=True):
             want = step.float().log_softmax(-1)[token]
             assert close(subject, "graph engine: steered generation vs a trace", torch.tensor([offered]), want[None])
-    plain = vlenvoys.generate(graph_engine, prompts[:1], params, use_tqdm=False)[0]
+    plain = vlenvoys.generate(graph_engine, prompts[:1], params)[0]
     assert list(plain.outputs[0].token_ids) != list(outputs[0].outputs[0].token_ids), "the steering must show"
 
 
@@ -66,9 +66,9 @@ def test_positions_steer_only_the_generated_tokens(subject, graph_engine):
     prompt = subject.prompts[0]
     vector = 3 * torch.randn(subject.model.hidden_size, generator=torch.Generator().manual_seed(6))
     params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=1)
-    plain = logprobs_of(vlenvoys.generate(graph_engine, [prompt], params, use_tqdm=False)[0])
+    plain = logprobs_of(vlenvoys.generate(graph_engine, [prompt], params)[0])
     late = vlenvoys.Steering([0, 2], vector, 4.0, positions=slice(len(prompt), None))
-    steered = logprobs_of(vlenvoys.generate(graph_engine, [prompt], params, steering=late, use_tqdm=False)[0])
+    steered = logprobs_of(vlenvoys.generate(graph_engine, [prompt], params, steering=late)[0])
     assert steered[0] == plain[0]
     assert steered != plain
 
@@ -95,7 +95,7 @@ def test_a_stream_the_steering_overflows_is_left_unsteered_and_refused(graph_eng
 
     params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=1)
     prompt = [1, 5, 9, 13, 17]
-    before = logprobs_of(vlenvoys.generate(graph_engine, [prompt], params, use_tqdm=False)[0])
+    before = logprobs_of(vlenvoys.generate(graph_engine, [prompt], params)[0])
     # In the wire format, past the check every client makes (`vlenvoys.wire.steering.entry`).
     huge = torch.full((graph_engine.hidden_size,), 3e38).numpy().tobytes()
     spec = text([Entry((0, 1, 2), huge, None)])
@@ -104,7 +104,7 @@ def test_a_stream_the_steering_overflows_is_left_unsteered_and_refused(graph_eng
     answers = graph_engine.vllm_entrypoint.llm_engine.collective_rpc("vlenvoys_steer_failures", args=([output.request_id],))
     assert answers[0] == {output.request_id: REFUSED}
     # Its non-finite rows never reached the key/value cache that the next request's blocks reuse.
-    assert logprobs_of(vlenvoys.generate(graph_engine, [prompt], params, use_tqdm=False)[0]) == before
+    assert logprobs_of(vlenvoys.generate(graph_engine, [prompt], params)[0]) == before
 
 
 def test_a_stopped_engine_says_so(graph_engine):

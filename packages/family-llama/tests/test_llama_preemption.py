@@ -161,7 +161,7 @@ def test_collect_dataset_equals_an_unpressured_run(model, tiny, tmp_path):
 
 def steered(model, prompts, steering, steps=STEPS) -> list:
     params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True, logprobs=1)
-    return vlenvoys.generate(model, prompts, params, steering=steering, use_tqdm=False)
+    return vlenvoys.generate(model, prompts, params, steering=steering)
 
 
 def logprobs_of(output) -> list[dict[int, float]]:

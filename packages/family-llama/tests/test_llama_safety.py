@@ -200,8 +200,7 @@ def test_an_interrupted_call_leaves_nothing_running(subject, monkeypatch, where,
                             streams.append(model.layers[1].layer_output)
         else:
             steering = vlenvoys.Steering(1, torch.ones(subject.hidden_size))
-            vlenvoys.generate(model, prompts, SamplingParams(max_tokens=steps, ignore_eos=True), steering=steering,
-                              use_tqdm=False)
+            vlenvoys.generate(model, prompts, SamplingParams(max_tokens=steps, ignore_eos=True), steering=steering)
     monkeypatch.undo()
     assert engine.get_num_unfinished_requests() == 0, "the interrupted call's requests must not run on"
     assert engine.collective_rpc("nnsight_request_count") == [0], "their blocks must be wound up on the worker"
@@ -493,7 +492,7 @@ def test_steered_generation_shares_no_prefix_cache_with_unsteered(caching_engine
     steering = vlenvoys.Steering(1, 4 * torch.randn(model.hidden_size, generator=torch.Generator().manual_seed(3)))
 
     def logprobs(**steer):
-        (output,) = vlenvoys.generate(model, [ids], params, use_tqdm=False, **steer)
+        (output,) = vlenvoys.generate(model, [ids], params, **steer)
         return [(token, step[token].logprob) for token, step in zip(output.outputs[0].token_ids, output.outputs[0].logprobs)]
 
     plain = logprobs()  # its prefix is cached now
@@ -517,7 +516,7 @@ def test_a_steering_the_engine_cannot_read_is_refused_and_the_engine_goes_on(cac
     (output,) = model.vllm_entrypoint.generate(["The sun"], params, use_tqdm=False)
     (refused, *_) = model.vllm_entrypoint.llm_engine.collective_rpc("vlenvoys_steer_failures", args=([output.request_id],))
     assert "blocks [7]: the model has blocks 0 to 2" in refused[output.request_id]
-    assert len(vlenvoys.generate(model, ["The sun"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids) == 2
+    assert len(vlenvoys.generate(model, ["The sun"], SamplingParams(max_tokens=2))[0].outputs[0].token_ids) == 2
 
 
 def test_chunked_prefill_is_refused_not_short(caching_engine):

@@ -8,7 +8,7 @@
 
 from .collect import collect
 from .engine import StandardizedVLLM, load, on_transformers_backend, shutdown
-from .errors import DECODE_STEP, FUSED_ROUTING, GATED, NOT_ROUTED, PARALLEL, ROUTED, InvalidWrite, NoSuchBlock, Preempted, ReadOnly, SkipRefused, Unavailable, UnknownArchitecture
+from .errors import DECODE_STEP, FUSED_ROUTING, GATED, NOT_ROUTED, PARALLEL, ROUTED, InvalidWrite, NoSuchBlock, Preempted, RawOutputWarning, ReadOnly, SkipRefused, Unavailable, UnknownArchitecture
 from .steer import Steering, generate
 from .values import Derived, Experts, Flat, Heads, KeyValueHeads, Neurons, Pattern, Residual, Routes, argument, batched, summed, summed_output, unbatched, with_argument
 from .values.envoys import (
@@ -54,6 +54,7 @@ __all__ = [
     "ParallelLayer",
     "Pattern",
     "Preempted",
+    "RawOutputWarning",
     "ReadOnly",
     "Residual",
     "Routes",
@@ -68,8 +69,10 @@ __all__ = [
     "Unavailable",
     "UnknownArchitecture",
     "__version__",
+    "activations",
     "argument",
     "batched",
+    "capturing",
     "collect",
     "families",
     "generate",
@@ -90,3 +93,8 @@ from .serve.server import anyio_classes_first as _anyio_classes_first  # noqa: E
 
 _anyio_classes_first()
 
+# The two modules the README has users reach from the package (#49): ``import vlenvoys`` then
+# ``vlenvoys.activations.collect_dataset(...)`` or ``vlenvoys.capturing.fetch(...)``. Both are light (a corpus's
+# optional package, datasets, is imported where a source needs it), and imported after the classes above,
+# as anything that may reach anyio.
+from . import activations, capturing  # noqa: E402

@@ -5,7 +5,7 @@ from __future__ import annotations
 import builtins
 import re
 
-__all__ = ["DECODE_STEP", "FUSED_ROUTING", "GATED", "NOT_ROUTED", "PARALLEL", "ROUTED", "InvalidWrite", "NoSuchBlock", "Preempted", "ReadOnly", "SkipRefused", "UnknownArchitecture", "Unavailable"]
+__all__ = ["DECODE_STEP", "FUSED_ROUTING", "GATED", "NOT_ROUTED", "PARALLEL", "ROUTED", "InvalidWrite", "NoSuchBlock", "Preempted", "RawOutputWarning", "ReadOnly", "SkipRefused", "UnknownArchitecture", "Unavailable"]
 
 #: Scores and patterns are recomputed from one step's queries and keys; on a decode step the
 #: earlier keys are in vLLM's KV cache, which only its kernel reads.
@@ -152,6 +152,19 @@ class Preempted(RuntimeError):
     as extra steps of ``tracer.iter``, and the edits it made there earlier would
     not be in the recomputed cache, so the request's block is ended with this
     error instead of serving values that differ from an unpressured run.
+    """
+
+
+class RawOutputWarning(UserWarning):
+    """A trace reads a decoder block's raw ``.output`` (``model.layers[i].output``), which on vLLM is not the stream.
+
+    On transformers ``output[0]`` of a decoder layer is the residual stream
+    leaving it, ``[batch, tokens, hidden]``; vLLM's decoder layers return their
+    own layout (on most families ``(hidden_states, residual)``, whose first half
+    is only the last sublayer's output, with no batch axis). The stream is
+    ``model.layers[i].layer_output``. Shown once per place that reads it; the raw
+    value stays readable. Silence it with
+    ``warnings.filterwarnings("ignore", category=vlenvoys.RawOutputWarning)``.
     """
 
 

@@ -676,20 +676,20 @@ def test_steered_generation_equals_steering_in_a_trace(subject):
     params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True, logprobs=1)
     if unsteerable(model) is not None:
         with pytest.raises(NotImplementedError, match="steered generation"):
-            vlenvoys.generate(model, prompts, params, steering=steering, use_tqdm=False)
+            vlenvoys.generate(model, prompts, params, steering=steering)
         # Unsteered, the same call generates.
-        plain = vlenvoys.generate(model, prompts, params, use_tqdm=False)
+        plain = vlenvoys.generate(model, prompts, params)
         assert [len(output.outputs[0].token_ids) for output in plain] == [params.max_tokens] * len(prompts)
         return
     with pytest.raises(ValueError, match=r"expected shape"):
-        vlenvoys.generate(model, prompts, params, steering=vlenvoys.Steering(1, vector[:-1]), use_tqdm=False)
+        vlenvoys.generate(model, prompts, params, steering=vlenvoys.Steering(1, vector[:-1]))
     with pytest.raises(IndexError):
-        vlenvoys.generate(model, prompts, params, steering=vlenvoys.Steering(99, vector), use_tqdm=False)
+        vlenvoys.generate(model, prompts, params, steering=vlenvoys.Steering(99, vector))
     with pytest.raises(ValueError, match="the next norm would overflow"):
-        vlenvoys.generate(model, prompts, params, steering=vlenvoys.Steering(1, vector, 1e30), use_tqdm=False)
-    outputs = vlenvoys.generate(model, prompts, params, steering=steering, use_tqdm=False)
+        vlenvoys.generate(model, prompts, params, steering=vlenvoys.Steering(1, vector, 1e30))
+    outputs = vlenvoys.generate(model, prompts, params, steering=steering)
     traced = steered_in_a_trace(model, prompts, [True, False], vector, factor, steps)
-    unsteered = vlenvoys.generate(model, prompts[:1], params, use_tqdm=False)[0].outputs[0].token_ids
+    unsteered = vlenvoys.generate(model, prompts[:1], params)[0].outputs[0].token_ids
     same_generations(subject, "steered generation vs a trace: log-probability", outputs, traced)
     assert list(outputs[0].outputs[0].token_ids) != list(unsteered), "the steering must change the steered request"
 
@@ -757,7 +757,7 @@ def test_graph_engine_steers_as_a_trace(subject):
     params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True, logprobs=1)
     config = model.vllm_entrypoint.llm_engine.model_config
     with oracle.engine(config.model, dtype=config.dtype, max_model_len=config.max_model_len, cuda_graphs=True) as graphs:
-        outputs = vlenvoys.generate(graphs, prompts, params, steering=steering, use_tqdm=False)
+        outputs = vlenvoys.generate(graphs, prompts, params, steering=steering)
     traced = steered_in_a_trace(model, prompts, [True, False], vector, factor, steps)
     same_generations(subject, "graph engine: steered generation vs a trace", outputs, traced)
 
@@ -1233,7 +1233,7 @@ def greedy_steps(model, ids: list[int], steps: int, steering=None) -> list[tuple
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True, logprobs=1)
-    (output,) = vlenvoys.generate(model, [ids], params, steering=steering, use_tqdm=False)
+    (output,) = vlenvoys.generate(model, [ids], params, steering=steering)
     done = output.outputs[0]
     return [(token, step[token].logprob) for token, step in zip(done.token_ids, done.logprobs, strict=True)]
 

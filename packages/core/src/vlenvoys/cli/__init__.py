@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import difflib
+import enum
 import json
 import logging
 import os
@@ -16,6 +18,7 @@ import typer
 from ..collect import activations
 from ..collect.prompts import collect as collect_values
 from ..engine import load, shutdown
+from ..engine.logs import vllm_logging
 from ..errors import InvalidWrite, ReadOnly, SkipRefused, Unavailable, UnknownArchitecture
 from ..serve import server
 from ..values.envoys import block_index
@@ -65,9 +68,53 @@ def check_output(path: Path) -> None:
         raise FileNotFoundError(f"cannot save {path}: there is no folder {path.parent}")
 
 
+class ShardDtype(str, enum.Enum):
+    """How shards store values (`vlenvoys.activations.collect_dataset`'s ``dtype``)."""
+
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    float32 = "float32"
+
+
+class ShardPositions(str, enum.Enum):
+    """Which positions shards keep (``collect_dataset``'s ``positions``)."""
+
+    all = "all"
+    no_bos = "no_bos"
+    last = "last"
+
+
+def block_list(text: str | int) -> list[int]:
+    """``--layers``' parser: one block index or several, comma-separated (``5``, ``5,15``, ``-1``)."""
+    if isinstance(text, int):  # the default, already an int
+        return [text]
+    try:
+        return [int(each) for each in text.split(",") if each.strip()]
+    except ValueError:
+        raise typer.BadParameter(
+            f"expected block indices such as 5 or 5,15 (negative count from the end), got {text!r}"
+        ) from None
+
+
+def value_list(text: str) -> list[str]:
+    """``--value``'s parser: standard block value names, comma-separated; an unknown one says the nearest."""
+    names = [each.strip() for each in text.split(",") if each.strip()]
+    for name in names:
+        if name not in OWNERS:
+            close = difflib.get_close_matches(name, list(OWNERS), n=1)
+            nearest = f"did you mean {close[0]!r}? " if close else ""
+            raise typer.BadParameter(f"{name!r} is not a block value; {nearest}the values are {', '.join(OWNERS)}")
+    return names
+
+
+def flat(lists: list[list]) -> list:
+    """A repeatable list option's occurrences, each parsed into a list, as one list in order."""
+    return [each for listed in lists for each in listed]
+
+
 Model = Annotated[
     Optional[str],
-    typer.Argument(help="A local checkpoint folder; omit it for the built-in SmolLM2-135M-Instruct."),
+    typer.Argument(help="A checkpoint folder or a Hugging Face model id; omit it for the built-in SmolLM2-135M-Instruct."),
 ]
 
 
@@ -95,7 +142,8 @@ def lens(
         finally:
             shutdown(loaded)
     console.print(result.table(title=f"logit lens: {prompt!r}"))
-    console.print(f"final prediction: {result.top_tokens[-1][0]!r}; heatmap saved to {result.heatmap(out, title=prompt)}")
+    result.heatmap(out, title=prompt)
+    console.print(f"final prediction: {result.top_tokens[-1][0]!r}; heatmap saved to {out}")
 
 
 @app.command()
@@ -108,10 +156,7 @@ def patterns(
     """Draw every head's attention pattern of one block for a prompt (query token x key token)."""
     import math
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
     from rich.console import Console
 
     console = Console()
@@ -133,7 +178,9 @@ def patterns(
     columns = min(heads, 4)
     rows = math.ceil(heads / columns)
     size = max(3.0, 0.35 * len(tokens))
-    figure, axes = plt.subplots(rows, columns, figsize=(size * columns, size * rows), squeeze=False)
+    # matplotlib's object API: no backend switched, no pyplot state (as `Lens.figure`).
+    figure = Figure(figsize=(size * columns, size * rows))
+    axes = figure.subplots(rows, columns, squeeze=False)
     for head, axis in enumerate(axes.flat):
         if head >= heads:
             axis.axis("off")
@@ -145,7 +192,6 @@ def patterns(
     figure.suptitle(f"layer {layer} attention: query (rows) attends to key (columns)")
     figure.tight_layout()
     figure.savefig(out, dpi=110)
-    plt.close(figure)
     console.print(f"{heads} heads of layer {layer} saved to {out}")
 
 
@@ -155,14 +201,24 @@ def collect(
         Path,
         typer.Argument(
             help="One prompt per line; with --context-length a corpus: text (a document per line), .jsonl, "
-            ".parquet, .csv, or a folder from datasets' save_to_disk."
+            ".parquet, .csv, a folder from datasets' save_to_disk, or hf:NAME (a Hugging Face dataset, streamed)."
         ),
     ],
     model: Model = None,
     value: Annotated[
-        str, typer.Option(help="A block value: layer_output, layer_mid, attention_output, mlp_neurons, ... (comma-separated: several, with --context-length).")
-    ] = "layer_output",
-    layers: Annotated[str, typer.Option(help="Comma-separated block indices (negative count from the end).")] = "0",
+        list[str],
+        typer.Option(
+            parser=value_list, metavar="VALUE[,VALUE...]",
+            help=f"A block value ({', '.join(OWNERS)}); several (comma-separated or repeated) with --context-length.",
+        ),
+    ] = ["layer_output"],  # noqa: B006 (typer's default of a list option; never mutated)
+    layers: Annotated[
+        list[int],
+        typer.Option(
+            parser=block_list, metavar="INT[,INT...]",
+            help="Block indices, comma-separated or repeated (negative count from the end).",
+        ),
+    ] = [0],  # noqa: B006
     out: Annotated[
         Optional[Path], typer.Option(help="The safetensors file to write (default values.safetensors); with --context-length, the folder of shards (default activations).")
     ] = None,
@@ -173,8 +229,14 @@ def collect(
         Optional[int], typer.Option(min=2, help="Cut the source into windows of this many tokens (BOS included) and stream their values to a folder of shards.")
     ] = None,
     field: Annotated[str, typer.Option(help="The text's field in a .jsonl or datasets source.")] = "text",
-    dtype: Annotated[str, typer.Option(help="How shards store values: bfloat16, float16 or float32.")] = "bfloat16",
-    positions: Annotated[str, typer.Option(help="Which positions shards keep: all, no_bos (drop BOS tokens) or last.")] = "all",
+    split: Annotated[
+        Optional[str], typer.Option(help="The split to read of a source with several (an hf: dataset, a saved DatasetDict).")
+    ] = None,
+    subset: Annotated[Optional[str], typer.Option(help="An hf: dataset's subset (its configuration).")] = None,
+    dtype: Annotated[ShardDtype, typer.Option(help="How shards store values.")] = ShardDtype.bfloat16,
+    positions: Annotated[
+        ShardPositions, typer.Option(help="Which positions shards keep (no_bos: drop BOS tokens).")
+    ] = ShardPositions.all,
     shard_tokens: Annotated[int, typer.Option(min=1, help="Tokens of windows per shard.")] = 2**16,
     max_tokens: Annotated[Optional[int], typer.Option(min=1, help="Stop after this many tokens of windows.")] = None,
     bos: Annotated[bool, typer.Option(help="Start each window with the BOS token (documents are separated by it).")] = True,
@@ -195,18 +257,12 @@ def collect(
     leave the engine, and a manifest (vlenvoys.activations.Activations reads
     it). Interrupted, the same command continues after the last complete shard.
     """
-    owners = OWNERS
-    values = [name.strip() for name in value.split(",") if name.strip()]
-    for name in values:
-        if name not in owners:
-            raise typer.BadParameter(f"{name!r} is not a block value; choose from {', '.join(owners)}")
+    values, chosen = flat(value), flat(layers)
+    if not values or not chosen:
+        raise typer.BadParameter("--value and --layers need at least one name and one block")
     if context_length is None and len(values) != 1:
         raise typer.BadParameter("one value per prompts file; several need --context-length (a folder of shards)")
     with friendly_errors():
-        try:
-            chosen = [int(layer) for layer in layers.split(",")]
-        except ValueError:
-            raise ValueError(f"--layers takes comma-separated block indices, got {layers!r}") from None
         # The name the user gave (a hub name, a folder), not the cache folder it resolves to.
         named = str(model) if model is not None else "SmolLM2-135M-Instruct (built-in, float32)"
         model = checkpoint(model)
@@ -217,7 +273,7 @@ def collect(
         else:
             _collect_windows(
                 source, model, values, chosen, out or Path("activations"), batch, context_length,
-                field=field, dtype=dtype, positions=positions, shard_tokens=shard_tokens, max_tokens=max_tokens, bos=bos,
+                field=field, split=split, subset=subset, dtype=dtype.value, positions=positions.value, shard_tokens=shard_tokens, max_tokens=max_tokens, bos=bos,
             )
 
 
@@ -232,7 +288,6 @@ def check_served(model: str, values: list[str]) -> None:
 
 def _collect_prompts(prompts: Path, model: str, named: str, value: str, chosen: list[int], out: Path, batch: int | None) -> None:
     from rich.console import Console
-    from tqdm import tqdm
 
     texts = [line.strip() for line in prompts.read_text().splitlines() if line.strip()]
     if not texts:
@@ -242,8 +297,7 @@ def _collect_prompts(prompts: Path, model: str, named: str, value: str, chosen: 
     with console.status("starting vLLM (about 30 s on a CPU)"):
         loaded = load(model)
     try:
-        with tqdm(total=len(texts), desc="collecting", unit="prompt") as bar:
-            collected = collect_values(loaded, texts, value, chosen, batch_size=batch, progress=bar.update)
+        collected = collect_values(loaded, texts, value, chosen, batch_size=batch, progress=True)
     finally:
         shutdown(loaded)
     # Keys are VALUE.LAYER; each prompt's tensor is saved without its batch axis.
@@ -269,6 +323,7 @@ def _collect_windows(
     if context_length >= longest:  # each window's request generates one token, which needs a position too
         raise ValueError(f"--context-length {context_length} is longer than the model serves: at most {longest - 1} ({longest} positions)")
     max_tokens, bos, field = options.pop("max_tokens"), options["bos"], options["field"]
+    split, subset = options["split"], options["subset"]
     activations.check_rows_per_token(model, values)
     plan = activations.make_plan(model, values, chosen, context_length=context_length, source=source, **options)
     shards = activations.open_shards(out, plan, max_tokens)
@@ -277,7 +332,7 @@ def _collect_windows(
         console.print(f"{out} already holds this collection, complete: {activations.Activations(out)}")
         return
     tokenizer = AutoTokenizer.from_pretrained(model)
-    cut = activations.windows(activations.documents(source, field), tokenizer, context_length, bos=bos)
+    cut = activations.windows(activations.documents(source, field, split=split, subset=subset), tokenizer, context_length, bos=bos)
     shards.check_unchanged(cut)
     if next(cut, None) is None and not shards.done:
         raise ValueError(f"{source} holds fewer tokens than one window of {context_length}")
@@ -339,8 +394,8 @@ def families() -> None:
 def serve(ctx: typer.Context) -> None:
     """vLLM's OpenAI-compatible server on vlenvoys' worker, with per-request steering.
 
-    vlenvoys serve MODEL [any vllm serve argument] [--vectors FILE.safetensors]:
-    /v1/completions and /v1/chat/completions take a "steering" field
+    vlenvoys serve [MODEL] [any vllm serve argument] [--vectors FILE.safetensors]
+    (without MODEL, the built-in SmolLM2-135M-Instruct): /v1/completions and /v1/chat/completions take a "steering" field
     (vlenvoys.serve.steering). vlenvoys serve --help lists every argument.
     """
     with friendly_errors():
@@ -357,6 +412,5 @@ def main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show vLL
         for handler in logging.getLogger("vllm").handlers:
             if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
                 handler.setStream(sys.stderr)
-    if not verbose:
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        logging.getLogger("vllm").setLevel(logging.WARNING)
+    # vLLM's INFO lines only with --verbose, set where `load` sets them (its default keeps this choice).
+    vllm_logging(verbose)

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = ["Lens", "logit_lens"]
 
@@ -41,19 +45,24 @@ class Lens:
             table.add_row(str(layer), *(f"{token!r} {p:.2f}" for token, p in zip(tokens, probabilities.tolist())))
         return table
 
-    def heatmap(self, path: str | Path, title: str | None = None) -> Path:
-        """Save the classic logit-lens picture: layers x positions, coloured by the top
-        prediction's probability and labelled with its token. Returns the path."""
-        import matplotlib
+    def figure(self, title: str | None = None) -> Figure:
+        """The classic logit-lens picture as a matplotlib ``Figure``: layers x positions, coloured by the top
+        prediction's probability and labelled with its token.
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        Made with matplotlib's object API (``matplotlib.figure.Figure``), not
+        pyplot: the backend a notebook or script chose is left alone and no
+        figure is left open in pyplot. Show it in a notebook by leaving it as a
+        cell's value (``lens.figure()``), or save it with ``figure.savefig(path)``
+        (`heatmap` does).
+        """
+        from matplotlib.figure import Figure
 
         best, ids = self.probabilities.max(-1)
         layers, positions = best.shape
         width = max(6.0, 0.9 * positions + 2)
         height = max(4.0, 0.28 * layers + 1.5)
-        figure, axes = plt.subplots(figsize=(width, height))
+        figure = Figure(figsize=(width, height))
+        axes = figure.subplots()
         image = axes.imshow(best.numpy(), aspect="auto", cmap="viridis", vmin=0, vmax=1, origin="lower")
         for layer in range(layers):
             for position in range(positions):
@@ -67,10 +76,22 @@ class Lens:
         axes.set_title(title or "logit lens: top next-token prediction per layer")
         figure.colorbar(image, ax=axes, label="probability")
         figure.tight_layout()
-        path = Path(path)
-        figure.savefig(path, dpi=120)
-        plt.close(figure)
-        return path
+        return figure
+
+    def heatmap(self, path: str | Path | None = None, title: str | None = None) -> Figure:
+        """The heatmap as a matplotlib ``Figure`` (`figure`), saved to ``path`` too where given (its suffix picks
+        the format: ``.png``, ``.svg``, ``.pdf``).
+
+        matplotlib's backend is not switched (see `figure`), so this is safe to
+        call in a notebook or beside an interactive backend.
+
+        Raises:
+            FileNotFoundError: ``path``'s folder does not exist.
+        """
+        made = self.figure(title)
+        if path is not None:
+            made.savefig(Path(path), dpi=120)
+        return made
 
     _decoder = None
 

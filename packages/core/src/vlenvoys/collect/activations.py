@@ -55,12 +55,13 @@ from typing import Any
 
 import numpy
 import torch
+from torch.utils.data import IterableDataset, get_worker_info
 
 from ..engine.handover import InThread, Rows, read_rows
 from ..engine.requests import check_engine
 from ..values.support import support
 from ..wire.shm import row_bytes
-from .prompts import checked_reads, scheduled_at_once, stream
+from .prompts import checked_reads, progress_bar, scheduled_at_once, stream
 
 __all__ = ["POSITIONS", "Activations", "Plan", "collect_dataset", "documents", "windows"]
 
@@ -71,6 +72,8 @@ MANIFEST = "manifest.json"
 #: What every shard holds of each row beside the values: its token, its window and its position in that window.
 ROW_KEYS = ("token_ids", "window", "position")
 FORMAT = "vlenvoys-activations/1"
+#: How a corpus names a dataset `documents` streams with ``datasets.load_dataset``: ``"hf:NAME"``.
+HUB = "hf:"
 #: Documents tokenized per call of the tokenizer (a fast tokenizer batches them across threads).
 TOKENIZED_AT_ONCE = 256
 #: Non-empty texts tokenized both by the tokenizer and by its Rust tokenizer alone before the second is trusted (`_Tokenizing`).
@@ -80,9 +83,11 @@ CHECKED_TEXTS = 32
 #: have it back while another thread runs Python, and four threads share it here (measured on an H200
 #: at 6ec2ebb, when windows were copied with torch calls: 0.49-0.77 of plain prefill with it, 0.49 without).
 SWITCH_INTERVAL = 1e-4
+#: Rows read at a time when `Activations` is iterated row by row.
+ROWS_AT_ONCE = 4096
 
 
-def documents(source: Any, field: str = "text") -> Iterator[str]:
+def documents(source: Any, field: str = "text", *, split: str | None = None, subset: str | None = None) -> Iterator[str]:
     """The documents of a corpus, one string each, read lazily.
 
     Args:
@@ -91,22 +96,38 @@ def documents(source: Any, field: str = "text") -> Iterator[str]:
             one object per line, the document under ``field``), a file
             ``datasets`` reads (``.parquet``, ``.csv``, ``.arrow``), a folder
             written by ``datasets.Dataset.save_to_disk``, a ``datasets``
-            dataset (or iterable dataset), or any iterable of strings.
+            dataset (or iterable dataset), ``"hf:NAME"`` (a Hugging Face
+            dataset, streamed: see below), or any iterable of strings.
         field: The column or key holding the text (JSON Lines and ``datasets`` sources).
+        split: The split to read of a source with several (``"train"``; a
+            ``"hf:"`` dataset, a ``DatasetDict`` or its ``save_to_disk`` folder).
+            None reads the only one there is.
+        subset: A ``"hf:"`` dataset's subset (its configuration, ``load_dataset``'s ``name``).
+
+    ``"hf:NAME"`` is read by ``datasets.load_dataset(NAME, name=subset,
+    streaming=True)``, then its ``split`` (or its only one): the rows are
+    streamed as they are read, never downloaded whole. NAME is a dataset on the Hugging Face hub
+    (``"hf:HuggingFaceFW/fineweb-edu"`` with ``subset="sample-10BT"``), or
+    any path ``load_dataset`` takes, such as a local folder of ``.jsonl``,
+    ``.parquet`` or ``.csv`` files laid out as a hub dataset's. A path that
+    exists is always read as that file or folder, even one named ``hf:...``.
 
     Raises:
         FileNotFoundError: no such file or folder.
         ValueError: a record without ``field`` (named by its line or row),
-            a text that is not a string, a JSON line that does not parse, or a
-            saved dataset with several splits.
+            a text that is not a string, a JSON line that does not parse, a
+            source with several splits and no ``split``, or a split it does not have.
         ImportError: a ``datasets`` source without the ``datasets`` package.
     """
     if isinstance(source, (str, os.PathLike)):
-        path = Path(source)
+        path, named = Path(source), os.fspath(source)
+        if _hub(source):
+            yield from _records(_streamed(named[len(HUB) :], split, subset), field, named)
+            return
         if not path.exists():
-            raise FileNotFoundError(f"no such file or folder: {path}")
+            raise FileNotFoundError(f"no such file or folder: {path} (a Hugging Face dataset is named {HUB}NAME)")
         if path.is_dir():
-            yield from _records(_load_from_disk(path), field, path)
+            yield from _records(_load_from_disk(path, split), field, path)
         elif path.suffix == ".jsonl":
             yield from _json_lines(path, field)
         elif path.suffix in {".parquet", ".csv", ".arrow"}:
@@ -115,12 +136,37 @@ def documents(source: Any, field: str = "text") -> Iterator[str]:
             with path.open(encoding="utf-8") as lines:
                 yield from (line.rstrip("\n") for line in lines if line.strip())
     elif hasattr(source, "column_names") or hasattr(source, "features"):
-        yield from _records(source, field, "the dataset")
+        yield from _records(_one_split(source, split, "the dataset"), field, "the dataset")
     else:
         for index, text in enumerate(source):
             if not isinstance(text, str):
                 raise ValueError(f"document {index} is a {type(text).__name__}, not a string")
             yield text
+
+
+def _streamed(name: str, split: str | None, subset: str | None) -> Any:
+    """``load_dataset(name, name=subset, streaming=True)``'s ``split`` (or its only one): its rows, streamed."""
+    if not name:
+        raise ValueError(f"{HUB!r} names no dataset; write {HUB}NAME (a hub dataset, or a folder load_dataset reads)")
+    datasets = _datasets()
+    loaded = datasets.load_dataset(name, name=subset, streaming=True)
+    return _one_split(loaded, split, f"{HUB}{name}")
+
+
+def _one_split(loaded: Any, split: str | None, where: Any) -> Any:
+    """``split`` of a dataset dict (the only one there is without ``split``); a dataset as it is, unless ``split`` names another."""
+    if not isinstance(loaded, dict):  # DatasetDict and IterableDatasetDict are dicts of their splits
+        if split is not None and getattr(loaded, "split", None) not in (None, split):
+            raise ValueError(f"{where} holds the split {loaded.split!r}, not {split!r}")
+        return loaded
+    splits = list(loaded.keys())
+    if split is None:
+        if len(splits) != 1:
+            raise ValueError(f"{where} holds the splits {splits}; pass one of them (split=, --split)")
+        split = splits[0]
+    if split not in loaded:
+        raise ValueError(f"{where} has no split {split!r}; it holds {splits}")
+    return loaded[split]
 
 
 def _datasets() -> Any:
@@ -131,7 +177,7 @@ def _datasets() -> Any:
     return datasets
 
 
-def _load_from_disk(path: Path) -> Any:
+def _load_from_disk(path: Path, split: str | None = None) -> Any:
     if (path / MANIFEST).exists():
         raise ValueError(f"{path} is a folder of activation shards (collect_dataset's output), not a corpus")
     # A Dataset's folder holds state.json, a DatasetDict's dataset_dict.json: any other folder is refused
@@ -147,12 +193,7 @@ def _load_from_disk(path: Path) -> Any:
             f"{path} is a folder but not one datasets' save_to_disk wrote ({error}); a corpus is a text, .jsonl, "
             ".parquet or .csv file, or such a folder"
         ) from None
-    if isinstance(loaded, datasets.DatasetDict):  # (its column_names is a dict of the splits')
-        splits = list(loaded.keys())
-        if len(splits) != 1:
-            raise ValueError(f"{path} holds the splits {splits}; pass one of them (load_from_disk(...)[split])")
-        loaded = loaded[splits[0]]
-    return loaded
+    return _one_split(loaded, split, path)
 
 
 def _records(rows: Iterable[dict], field: str, where: Any) -> Iterator[str]:
@@ -318,11 +359,21 @@ class Plan:
         return [f"{key}: {other.get(key)!r} -> {value!r}" for key, value in ours.items() if other.get(key) != value]
 
 
-def _describe(source: Any) -> str:
-    """How the plan names a source: a path as given (absolute), else what kind of object it is."""
-    if isinstance(source, (str, os.PathLike)):
-        return str(Path(source).absolute())
-    return f"<{type(source).__name__}>"
+def _describe(source: Any, split: str | None = None, subset: str | None = None) -> str:
+    """How the plan names a source: a path as given (absolute), an ``"hf:"`` name as given, else what kind of
+    object it is; then its subset and split where they were given."""
+    if isinstance(source, (str, os.PathLike)) and not _hub(source):
+        named = str(Path(source).absolute())
+    elif isinstance(source, (str, os.PathLike)):
+        named = os.fspath(source)
+    else:
+        named = f"<{type(source).__name__}>"
+    return named + (f" (subset {subset})" if subset is not None else "") + (f" (split {split})" if split is not None else "")
+
+
+def _hub(source: Any) -> bool:
+    """Whether ``source`` names a dataset `documents` streams (``"hf:NAME"``, no such file or folder)."""
+    return isinstance(source, (str, os.PathLike)) and os.fspath(source).startswith(HUB) and not Path(source).exists()
 
 
 class _Shards:
@@ -720,6 +771,8 @@ def collect_dataset(
     *,
     context_length: int,
     field: str = "text",
+    split: str | None = None,
+    subset: str | None = None,
     bos: bool = True,
     dtype: str | torch.dtype = "bfloat16",
     positions: str = "all",
@@ -756,6 +809,8 @@ def collect_dataset(
         context_length: Tokens per window, BOS included; at most the engine's ``max_model_len`` - 1
             (each window's request generates one token).
         field: The text's key in a JSON Lines or ``datasets`` source.
+        split: The split to read of a source with several (see `documents`; None: the only one).
+        subset: An ``"hf:NAME"`` source's subset (its configuration; see `documents`).
         bos: Start each window with the BOS token (see `windows`).
         dtype: ``"bfloat16"``, ``"float16"`` or ``"float32"`` (or the torch dtype): how the values are stored.
         positions: ``"all"``, ``"no_bos"`` (drop every BOS token, window
@@ -763,7 +818,8 @@ def collect_dataset(
         shard_tokens: Tokens of windows per shard (rounded down to whole windows, at least one).
         max_tokens: Stop after this many tokens of windows (rounded down to whole windows).
         batch_size: Windows in flight on the engine (default: its ``max_num_seqs``).
-        progress: Show a progress bar (tokens, tokens/s, and the time left where the total is known).
+        progress: Show a progress bar (tokens, tokens/s, and the time left where the total is known), as
+            `vlenvoys.collect`'s ``progress=True`` (on by default here: a corpus takes long).
 
     Returns:
         The folder's `Activations`.
@@ -806,6 +862,8 @@ def collect_dataset(
         source=source,
         field=field,
         shard_tokens=shard_tokens,
+        split=split,
+        subset=subset,
     )
     if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
         raise ValueError(f"batch_size must be a positive int or None, got {batch_size!r}")
@@ -815,7 +873,7 @@ def collect_dataset(
         return Activations(out)
 
     tokenizer = model.tokenizer
-    cut = windows(documents(source, field), tokenizer, context_length, bos=bos)
+    cut = windows(documents(source, field, split=split, subset=subset), tokenizer, context_length, bos=bos)
     shards.check_unchanged(cut)
     cut = itertools.islice(cut, None if limit is None else limit - shards.windows_done)
     first = next(cut, None)
@@ -823,11 +881,11 @@ def collect_dataset(
         if shards.done:  # the last run ended after its last shard, before it said so
             shards.finish()
             return Activations(out)
-        raise ValueError(f"{_describe(source)} holds fewer tokens than one window of {context_length}")
+        raise ValueError(f"{_describe(source, split, subset)} holds fewer tokens than one window of {context_length}")
     start = shards.windows_done
 
     total = None if limit is None else (limit - start) * context_length
-    if total is None and isinstance(source, (str, os.PathLike)) and Path(source).is_file():
+    if total is None and isinstance(source, (str, os.PathLike)) and not _hub(source) and Path(source).is_file():
         total = _count_windows(source, field, tokenizer, context_length, bos, start) * context_length
     writer = _Writer(shards)
     assembler = _Assembler(plan, start, writer, _begin_token(tokenizer), limit)
@@ -916,6 +974,8 @@ def make_plan(
     source: Any,
     field: str,
     shard_tokens: int,
+    split: str | None = None,
+    subset: str | None = None,
 ) -> Plan:
     """The plan of a run, its settings checked (``layers`` non-negative); the CLI makes it before any engine starts.
 
@@ -944,7 +1004,7 @@ def make_plan(
         bos=bos,
         dtype=name,
         positions=positions,
-        source=_describe(source),
+        source=_describe(source, split, subset),
         field=field,
         shard_windows=max(1, shard_tokens // context_length),
     )
@@ -972,26 +1032,63 @@ def _count_windows(source: Any, field: str, tokenizer: Any, context_length: int,
 
 
 def _progress_bar(shown: bool, total: int | None) -> Any:
-    if not shown:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, unit="tok", unit_scale=True, desc="collecting", smoothing=0.1)
+    return progress_bar(total, "tok", unit_scale=True, smoothing=0.1) if shown else None
 
 
-class Activations:
-    """A folder of activation shards written by `collect_dataset`, read back.
+class Activations(IterableDataset):
+    """A folder of activation shards written by `collect_dataset`, read back; a torch ``IterableDataset``.
 
     ``len(activations)`` is the number of rows (tokens kept) over every
     shard; `keys` the value tensors' names (``"layer_output.10"``, ...);
     `shard` one shard's tensors; `batches` rows in batches,
     shuffled or in order, for training.
 
+    Iterated (``for row in activations``, or a ``torch.utils.data.DataLoader``),
+    it gives what the options below ask `batches` for: one row at a time,
+    ``{key: [...]}`` for each of ``keys`` and ``token_ids`` (a DataLoader
+    stacks them into batches), or whole batches with ``batch_size`` (then
+    ``len`` is the number of batches, and a DataLoader takes them as they
+    are with ``batch_size=None``). In a DataLoader's worker processes each
+    worker reads its share of the shards (shard ``i`` goes to worker ``i %
+    num_workers``, after the shards are shuffled), so every row comes once;
+    each worker's last batch may then be short. With ``shuffle``, call
+    `set_epoch` before each epoch to shuffle it differently::
+
+        data = Activations("acts", batch_size=4096, shuffle=True, keys=["layer_output.10"])
+        loader = torch.utils.data.DataLoader(data, batch_size=None, num_workers=2)
+        for epoch in range(3):
+            data.set_epoch(epoch)
+            for batch in loader:
+                batch["layer_output.10"]      # [4096, hidden_size]
+
+    Args:
+        folder: The folder `collect_dataset` wrote.
+        batch_size: Iterating gives batches of this many rows; None (the default)
+            gives every row, one at a time.
+        keys: What iterating gives of each row, as `batches` takes them.
+        extra_keys: Added beside ``keys`` (``window``, ``position``), as `batches` takes them.
+        shuffle: Iterate in a random order, as `batches` shuffles.
+        seed: The shuffle's seed (with the epoch `set_epoch` set).
+        buffer_shards: Shards whose rows are mixed together when shuffled, as `batches` takes it.
+        drop_last: Leave out a last batch shorter than ``batch_size`` (rows: changes nothing).
+
     Raises:
         FileNotFoundError: no such folder, or one without a manifest.
+        ValueError, TypeError, KeyError: options `batches` refuses.
     """
 
-    def __init__(self, folder: str | os.PathLike) -> None:
+    def __init__(
+        self,
+        folder: str | os.PathLike,
+        *,
+        batch_size: int | None = None,
+        keys: str | Sequence[str] | None = None,
+        extra_keys: str | Sequence[str] = (),
+        shuffle: bool = False,
+        seed: int = 0,
+        buffer_shards: int = 4,
+        drop_last: bool = False,
+    ) -> None:
         self.folder = Path(folder)
         manifest = self.folder / MANIFEST
         if not self.folder.is_dir():
@@ -1000,13 +1097,50 @@ class Activations:
             raise FileNotFoundError(f"{self.folder} holds no {MANIFEST}: it is not a folder collect_dataset wrote")
         self.manifest: dict = json.loads(manifest.read_text())
         self.plan = Plan(**self.manifest["plan"])
+        if batch_size is not None:
+            _check_positive(batch_size, "batch_size")
+        self.batch_size = batch_size
+        self.options = {"keys": self._wanted(keys, extra_keys), "shuffle": shuffle, "seed": seed, "buffer_shards": buffer_shards, "drop_last": drop_last}
+        _check_positive(buffer_shards, "buffer_shards")
+        self._check_seed(seed)
+        #: The epoch `set_epoch` set: shuffled runs draw their order from the seed and it.
+        self.epoch = 0
 
     def __len__(self) -> int:
-        return int(self.manifest["tokens"])
+        """The rows over every shard; with ``batch_size``, the batches iterating gives (in one process)."""
+        rows = int(self.manifest["tokens"])
+        if self.batch_size is None:
+            return rows
+        return rows // self.batch_size if self.options["drop_last"] else -(-rows // self.batch_size)
 
     def __repr__(self) -> str:
         state = "complete" if self.complete else "incomplete"
-        return f"Activations({str(self.folder)!r}: {len(self)} tokens in {len(self.manifest['shards'])} shards, {state}, {self.keys})"
+        return f"Activations({str(self.folder)!r}: {int(self.manifest['tokens'])} tokens in {len(self.manifest['shards'])} shards, {state}, {self.keys})"
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        """Rows, or batches of ``batch_size``, as the options ask; in a DataLoader's worker, that worker's share."""
+        worker = get_worker_info()
+        share = (worker.id, worker.num_workers) if worker is not None else (0, 1)
+        options = {**self.options, "seed": self._epoch_seed()}
+        if self.batch_size is not None:
+            yield from self._batches(self.batch_size, share=share, **options)
+            return
+        for batch in self._batches(ROWS_AT_ONCE, share=share, **{**options, "drop_last": False}):  # every row
+            count = batch["token_ids"].shape[0]
+            for index in range(count):
+                yield {key: tensor[index] for key, tensor in batch.items()}
+
+    def set_epoch(self, epoch: int) -> None:
+        """Shuffle the next iterations as epoch ``epoch`` (a shuffled dataset's order depends on ``seed`` and it)."""
+        if not _is_int(epoch) or epoch < 0:
+            raise ValueError(f"epoch must be a non-negative int, got {epoch!r}")
+        self.epoch = epoch
+
+    def _epoch_seed(self) -> int:
+        seed = self.options["seed"]
+        if self.epoch == 0:
+            return seed  # epoch 0 is the seed's own order, as `batches` gives it
+        return int(numpy.random.SeedSequence([seed % 2**63, self.epoch]).generate_state(1, numpy.uint64)[0] % 2**63)
 
     @property
     def complete(self) -> bool:
@@ -1046,52 +1180,88 @@ class Activations:
         self,
         batch_size: int,
         *,
-        keys: Sequence[str] | None = None,
+        keys: str | Sequence[str] | None = None,
+        extra_keys: str | Sequence[str] = (),
         shuffle: bool = False,
         seed: int = 0,
         buffer_shards: int = 4,
         drop_last: bool = False,
     ) -> Iterator[dict[str, torch.Tensor]]:
-        """Rows in batches: ``{key: [batch_size, ...]}`` for ``keys`` (default: every value) and ``token_ids``.
+        """Rows in batches: ``{key: [batch_size, ...]}`` for the values, ``token_ids`` and any ``extra_keys``.
 
-        ``keys`` may also name each row's ``window`` (int64) and ``position`` (int32, in its window).
+        ``keys`` chooses which values each batch holds, *replacing* the
+        default (every value, the `keys` property): ``keys=["layer_output.5"]`` gives that
+        value and ``token_ids``. ``extra_keys`` *adds* tensors beside the
+        values (the default ones, or those ``keys`` chose): each row's
+        ``window`` (int64) and ``position`` (int32, in its window), typically,
+        as ``batches(64, extra_keys=["window", "position"])``. ``token_ids``
+        is always there.
 
         In order, shard after shard, without ``shuffle``; with it, the shards
         in a random order and the rows of ``buffer_shards`` shards at a time
         in a random order (memory: that many shards), seeded by ``seed``.
-        The last batch is shorter unless ``drop_last``.
+        The last batch is shorter unless ``drop_last``. Every shard, whatever
+        process calls it (iterating the dataset shares the shards among a DataLoader's workers).
 
         Raises:
-            ValueError: ``batch_size`` or ``buffer_shards`` not a positive int.
-            TypeError: ``keys`` not a name or a list of names, ``seed`` not an int.
+            ValueError: ``batch_size`` or ``buffer_shards`` not a positive int, or ``keys`` naming no value
+                (``keys=["window"]`` would drop every value: that is ``extra_keys=["window"]``).
+            TypeError: ``keys`` or ``extra_keys`` not a name or a list of names, ``seed`` not an int.
             KeyError: a key the dataset does not hold.
         """
         for label, number in (("batch_size", batch_size), ("buffer_shards", buffer_shards)):
-            if not _is_int(number) or number < 1:
-                raise ValueError(f"{label} must be a positive int, got {number!r}")
-        keys = _names(keys, "keys") if keys is not None else self.keys
-        if not _is_int(seed):
-            raise TypeError(f"seed must be an int, got {seed!r}")
-        unknown = [key for key in keys if key not in self.keys and key not in ROW_KEYS]
+            _check_positive(number, label)
+        wanted = self._wanted(keys, extra_keys)
+        self._check_seed(seed)
+        return self._batches(batch_size, keys=wanted, shuffle=shuffle, seed=seed, buffer_shards=buffer_shards, drop_last=drop_last)
+
+    def _wanted(self, keys: str | Sequence[str] | None, extra_keys: str | Sequence[str] = ()) -> list[str]:
+        """The keys a batch holds: ``keys`` (default every value), checked, then ``extra_keys`` and ``token_ids``."""
+        chosen = _names(keys, "keys") if keys is not None else self.keys
+        extra = _names(extra_keys, "extra_keys")
+        unknown = [key for key in [*chosen, *extra] if key not in self.keys and key not in ROW_KEYS]
         if unknown:
             raise KeyError(f"{unknown} not in this dataset; it holds {self.keys} and each row's {', '.join(ROW_KEYS)}")
-        wanted = list(dict.fromkeys([*keys, "token_ids"]))
+        if not any(key in self.keys for key in chosen):
+            raise ValueError(
+                f"keys={chosen!r} names no value: keys replaces the default (every value, {self.keys}) rather than "
+                f"adding to it; to add {chosen!r} beside the values, pass extra_keys={chosen!r}"
+            )
+        return list(dict.fromkeys([*chosen, *extra, "token_ids"]))
+
+    @staticmethod
+    def _check_seed(seed: Any) -> None:
+        if not _is_int(seed):
+            raise TypeError(f"seed must be an int, got {seed!r}")
+
+    def _batches(
+        self, batch_size: int, *, keys: list[str], shuffle: bool, seed: int, buffer_shards: int, drop_last: bool,
+        share: tuple[int, int] = (0, 1),
+    ) -> Iterator[dict[str, torch.Tensor]]:
+        """`batches` of checked options, over the shards of ``share`` (``(worker, workers)``: every ``workers``-th shard of the order)."""
         generator = torch.Generator().manual_seed(seed)
         order = list(range(len(self.shards)))
         if shuffle:
             random.Random(seed).shuffle(order)
+        worker, workers = share
+        order = order[worker::workers]
         group = buffer_shards if shuffle else 1
         left: dict[str, torch.Tensor] | None = None
         for begin in range(0, len(order), group):
             loaded = [self.shard(index) for index in order[begin : begin + group]]
-            rows = {key: torch.cat(([left[key]] if left else []) + [shard[key] for shard in loaded]) for key in wanted}
+            rows = {key: torch.cat(([left[key]] if left else []) + [shard[key] for shard in loaded]) for key in keys}
             count = rows["token_ids"].shape[0]
             permutation = torch.randperm(count, generator=generator) if shuffle else None
             whole = count - count % batch_size
             for start in range(0, whole, batch_size):
                 chosen = permutation[start : start + batch_size] if permutation is not None else slice(start, start + batch_size)
-                yield {key: rows[key][chosen] for key in wanted}
+                yield {key: rows[key][chosen] for key in keys}
             rest = permutation[whole:] if permutation is not None else slice(whole, count)
-            left = {key: rows[key][rest] for key in wanted} if whole < count else None
+            left = {key: rows[key][rest] for key in keys} if whole < count else None
         if left is not None and not drop_last:
             yield left
+
+
+def _check_positive(number: Any, label: str) -> None:
+    if not _is_int(number) or number < 1:
+        raise ValueError(f"{label} must be a positive int, got {number!r}")

@@ -45,7 +45,7 @@ from ..values.support import support
 from ..wire.requests import COLLECT_KEY, PRIVATE
 from . import rows
 
-__all__ = ["SAVED", "checked_reads", "collect", "registered", "scheduled_at_once", "stream"]
+__all__ = ["SAVED", "checked_reads", "collect", "progress_bar", "registered", "scheduled_at_once", "stream"]
 
 #: The block's saved variable: one name no other registration is likely to save under.
 SAVED = "vlenvoys_collected"
@@ -59,7 +59,7 @@ def collect(
     layers: int | Sequence[int],
     *,
     batch_size: int | None = None,
-    progress: Callable[[int], Any] | None = None,
+    progress: bool | Callable[[int], Any] = True,
 ) -> dict[str, list[torch.Tensor]]:
     """Read block values of every prompt, with one block installed on the engine.
 
@@ -89,8 +89,10 @@ def collect(
             prompts with 256 in flight, 0.38 s with all of them). The values
             come back whatever the number in flight, so more holds no more
             memory.
-        progress: Called with the number of prompts finished after each
-            engine step that finished some (``tqdm.update`` fits).
+        progress: Show a progress bar (tqdm's, prompts finished; on by
+            default, ``False`` for none). A callable, called with the number of prompts finished
+            after each engine step that finished some, is still taken, with a
+            DeprecationWarning.
 
     Returns:
         ``"{value}.{layer}"`` (the layer as a non-negative index) -> one
@@ -104,7 +106,7 @@ def collect(
     Raises:
         TypeError: ``prompts`` is one string, a prompt is neither a string
             nor a list of int token ids, ``layers`` are not ints,
-            ``batch_size`` is neither None nor an int, or ``progress`` is not callable.
+            ``batch_size`` is neither None nor an int, or ``progress`` is neither a bool nor callable.
         ValueError: an empty prompt, an unknown value name, a block that does
             not exist (`NoSuchBlock`, an IndexError too), ``batch_size`` below 1, or
             a prompt vLLM refuses (longer than the engine's ``max_model_len``), named by its index.
@@ -122,8 +124,18 @@ def collect(
         raise TypeError(f"batch_size must be an int or None, got {batch_size!r}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-    if progress is not None and not callable(progress):
-        raise TypeError(f"progress must be callable (it is called with the number of prompts finished), got {progress!r}")
+    if not isinstance(progress, bool) and callable(progress):
+        warnings.warn(
+            "collect(progress=callable) is deprecated: pass progress=True for a progress bar",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        counted, bar = progress, None
+    elif isinstance(progress, bool):
+        bar = progress_bar(len(prompts), "prompt") if progress and prompts else None
+        counted = bar.update if bar is not None else None
+    else:
+        raise TypeError(f"progress must be True or False (a progress bar), got {progress!r}")
     results: dict[str, list[torch.Tensor]] = {f"{value}.{layer}": [] for layer, _, value in reads}
     if not prompts:
         return results
@@ -132,7 +144,11 @@ def collect(
     def keep(index: int, values: dict) -> None:
         runs[index] = values
 
-    stream(model, prompts, reads, keep, batch_size=batch_size, progress=progress, kept=True)
+    try:
+        stream(model, prompts, reads, keep, batch_size=batch_size, progress=counted, kept=True)
+    finally:
+        if bar is not None:
+            bar.close()
     for saved in runs:
         for key, tensors in results.items():
             tensors.append(saved[key])
@@ -183,6 +199,13 @@ def stream(
             _batched(model, prompts, reads, batch_size, progress, deliver, kept, unread)
         else:
             _registered(model, prompts, reads, batch_size, progress, deliver)
+
+
+def progress_bar(total: int | None, unit: str, **options: Any) -> Any:
+    """A tqdm progress bar (``tqdm.auto``'s: a widget in a notebook) of ``total`` ``unit``\ s, described "collecting"."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit=unit, desc="collecting", **options)
 
 
 def scheduled_at_once(model: Any) -> int:

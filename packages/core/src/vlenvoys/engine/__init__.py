@@ -5,6 +5,8 @@
 - `processes`: the engine's processes started in a group of their own, the worker class, `shutdown`;
 - `stepping`: the synchronous engine's step (saves asked for only where there can be some), and the wind-up
   of an interrupted call;
+- `traces`: a trace's tracer (one forward pass unless it asks for more; a pointer where a block's raw output is read);
+- `logs`: vLLM's log level, quiet unless asked for (`load` and the command alike);
 - `requests`: prompts checked, cache salts;
 - `handover`, `saves`, `sources`: rows and saves read back from the worker, trace requests' pickling.
 """

@@ -11,6 +11,7 @@ from typing import Any
 
 from ..values.family import resolve_checkpoint
 from ..weights import smollm2_path
+from .logs import vllm_logging
 from .model import StandardizedVLLM
 
 __all__ = ["CPU_KV_CACHE_BYTES", "TRITON_F32", "cpu_ranks", "engine_defaults", "float32_kernels", "graph_defaults", "load"]
@@ -20,7 +21,13 @@ __all__ = ["CPU_KV_CACHE_BYTES", "TRITON_F32", "cpu_ranks", "engine_defaults", "
 CPU_KV_CACHE_BYTES = 1 << 30
 
 
-def load(model: str | os.PathLike | None = None, *, cuda_graphs: bool = False, **engine_kwargs: Any) -> StandardizedVLLM:
+def load(
+    model: str | os.PathLike | None = None,
+    *,
+    cuda_graphs: bool = False,
+    verbose: bool | None = None,
+    **engine_kwargs: Any,
+) -> StandardizedVLLM:
     """Start vLLM on ``model`` and return it ready to trace with the standard values.
 
     Args:
@@ -28,9 +35,10 @@ def load(model: str | os.PathLike | None = None, *, cuda_graphs: bool = False, *
             real model, SmolLM2-135M-Instruct (see `vlenvoys.weights`).
         **engine_kwargs: vLLM engine arguments (``dtype``, ``max_model_len``,
             ``tensor_parallel_size``, ...) and nnsight ``VLLM`` arguments. On
-            every platform the dtype defaults to the checkpoint's own (float32
-            where it names none; vLLM would otherwise run float32 checkpoints
-            in half precision); on a GPU a float32 engine's Triton kernels run
+            every platform the dtype defaults to a local checkpoint's own
+            (float32 where it names none; vLLM would otherwise run float32
+            checkpoints in half precision) and to float32 for a hub name, the
+            oracle's precision (pass ``dtype="auto"`` for the hub config's); on a GPU a float32 engine's Triton kernels run
             in full float32 (see `float32_kernels`); on the CPU engine the KV
             cache defaults to 1 GiB. Prefix caching is on, as on stock vLLM, for
             plain requests: a traced, collected or steered request carries a
@@ -44,6 +52,11 @@ def load(model: str | os.PathLike | None = None, *, cuda_graphs: bool = False, *
             it; prefill steps run eagerly. Traces, whose hooks a replay would
             skip, are refused on such an engine (NotImplementedError). On the
             CPU engine, which has no graphs, it changes nothing but that.
+        verbose: vLLM's INFO log (its engine settings, start-up and shutdown
+            lines) shown (True) or not (False; its warnings stay); None keeps
+            what an earlier call or the ``vlenvoys`` command chose, quiet at
+            first (`vlenvoys.engine.logs.vllm_logging`; ``VLLM_LOGGING_LEVEL`` set
+            in the environment wins).
 
     Raises:
         UnknownArchitecture: no installed family declares the model's architecture.
@@ -59,6 +72,7 @@ def load(model: str | os.PathLike | None = None, *, cuda_graphs: bool = False, *
             "without a tap, so a trace would serve fewer rows than it asked for. Load with cuda_graphs=True for "
             "steered generation and collection with CUDA graphs, or without either for traces"
         )
+    vllm_logging(verbose)  # before vLLM logs this process's settings and starts the engine's processes
     if cuda_graphs:
         graph_defaults(engine_kwargs)
     if model is None:
@@ -120,7 +134,7 @@ def engine_defaults(model: str, engine_kwargs: dict) -> None:
 
     # vLLM downcasts float32 checkpoints to half precision unless told otherwise
     # (bfloat16 on the CPU, float16 or bfloat16 on a GPU): keep the checkpoint's
-    # own dtype, on every platform, and float32 where it names none.
+    # own dtype, on every platform, and float32 where it names none or the model is a hub name (read by vLLM).
     config = Path(model) / "config.json"
     settings = json.loads(config.read_text()) if config.is_file() else {}
     engine_kwargs.setdefault("dtype", settings.get("dtype") or settings.get("torch_dtype") or "float32")

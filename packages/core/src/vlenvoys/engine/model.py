@@ -8,6 +8,10 @@ hooks), and every worker builds the same tree over its loaded module
 from __future__ import annotations
 
 import contextlib
+import difflib
+import functools
+import inspect
+import sys
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -21,6 +25,7 @@ from ..values import routing
 from ..values.envoys import block_index
 from ..values.family import Architecture, InstalledFamily
 from ..values.layouts import Checked, Derived, Residual, argument, checked_tensor
+from ..values.names import OWNERS, hint
 from ..values.parallel import gather_vocab
 from ..wire.shm import engine_named
 from .processes import (
@@ -34,6 +39,7 @@ from .requests import salted
 from .saves import merged
 from .sources import install
 from .stepping import StandardLLMEngine, abandoned_on_error
+from .traces import Generation, Trace
 
 __all__ = ["LayerValues", "StandardizedVLLM", "family_of", "on_transformers_backend"]
 
@@ -64,6 +70,20 @@ class StandardizedVLLM(VLLM):
             kwargs["rename"] = {**architecture.rename, **(kwargs.get("rename") or {})}
         self.architecture = architecture
         super().__init__(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        """nnsight's lookup; a miss close to one of the model's names (``model.layers_ouput``) says which, and a
+        block's standard value asked of the model (``model.layer_output``) says where it is served."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError as error:
+            if name.startswith("_"):
+                raise
+            close = [] if name in OWNERS else difflib.get_close_matches(name, _MODEL_NAMES, n=1)
+            told = f"did you mean {close[0]!r}?" if close else hint(name, None)
+            if told is None:
+                raise
+            raise AttributeError(f"{error}; {told}") from None
 
     def _load_meta(self, repo_id: str, **kwargs: Any) -> Any:
         with _meta_build():
@@ -146,15 +166,40 @@ class StandardizedVLLM(VLLM):
             for envoy in envoys:
                 envoy.__dict__.pop("_persistent_id", None)
 
-    def _call(self, prompts: list, params: list, lora_requests: list, **kwargs: Any) -> Any:
+    def _call(self, prompts: list, params: list, lora_requests: list, *, use_tqdm: bool = False, **kwargs: Any) -> Any:
+        # nnsight's `_call` (its blocks attached to the requests, the engine run, their saves collected), with
+        # vLLM's progress bars only where the trace asked for them (`trace`'s ``progress``).
         with abandoned_on_error(self):  # an interrupted trace leaves nothing running on the engine
-            return super()._call(prompts, params, lora_requests, **kwargs)
+            mediators = self._attach_mediators(params, **kwargs)
+            outputs = self.vllm_entrypoint.generate(
+                prompts, sampling_params=params, lora_request=lora_requests, use_tqdm=use_tqdm
+            )
+            self._collect(mediators, outputs)
+            return outputs
 
     def _batch(self, invokes: list[tuple], fn: Any) -> tuple:
         (prompts, params, lora_requests), kwargs = super()._batch(invokes, fn)
         return ([salted(prompt, "trace") for prompt in prompts], params, lora_requests), kwargs
 
-    def trace(self, *inputs: Any, **kwargs: Any) -> Any:
+    def trace(self, *inputs: Any, progress: bool = False, **kwargs: Any) -> Any:
+        """nnsight's trace: ``with model.trace(prompt, **sampling):`` reads and edits the values of one request.
+
+        One forward pass, as on transformers and nnterp: a request that names
+        no length generates one token (``max_tokens=1``, vLLM's default would
+        be 16). Name one to generate more (``max_tokens`` or ``min_tokens``,
+        on the trace or an invoke; nnsight's ``max_new_tokens`` on the trace); a
+        trace that steps through its generation (``tracer.iter[...]``,
+        ``tracer.all()``) and ``with model.generate(...)`` keep vLLM's default
+        length (16), as before (`vlenvoys.engine.traces`). Other keyword
+        arguments are vLLM ``SamplingParams`` fields (``temperature``, ...).
+
+        ``progress=True`` shows vLLM's progress bars of the trace's requests
+        (none by default: a trace prints nothing of its own).
+
+        Reading a block's raw ``.output`` warns once per place
+        (`vlenvoys.RawOutputWarning`): the residual stream is ``.layer_output``.
+        """
+        _check_progress(progress)
         self._check_running()
         if self.cuda_graphs:
             raise NotImplementedError(
@@ -162,14 +207,23 @@ class StandardizedVLLM(VLLM):
                 "a trace's reads and edits would not run: it serves vlenvoys.generate's steering and "
                 "vlenvoys.collect; trace on an engine loaded without cuda_graphs"
             )
+        # nnsight's `generate` opens its block through this method: a generation keeps vLLM's length.
+        generating = sys._getframe(1).f_code is _NNSIGHT_GENERATE
+        kwargs.setdefault("tracer_cls", Generation if generating else Trace)
+        kwargs.setdefault("fn", functools.partial(self._call, use_tqdm=progress))
         return super().trace(*inputs, **kwargs)
 
     # Not `generate`: nnsight tells `with model.generate(...)` from a plain call by
     # reading its caller's frame, which a wrapper here would hide. Its trace goes
     # through `trace` above, its plain run through `_generate`.
-    def _generate(self, *inputs: Any, **kwargs: Any) -> Any:
+    def _generate(self, *inputs: Any, progress: bool = False, **kwargs: Any) -> Any:
+        """nnsight's plain ``model.generate(prompts, **sampling)``; vLLM's progress bars with ``progress=True`` only."""
         self._check_running()
-        return super()._generate(*inputs, **kwargs)
+        _check_progress(progress)
+        if self._async_engine:  # no bars there: its generate streams
+            return super()._generate(*inputs, **kwargs)
+        with _progress_bars(self.vllm_entrypoint, progress):
+            return super()._generate(*inputs, **kwargs)
 
     def _check_running(self) -> None:
         if getattr(self, "_shut_down", False):
@@ -501,6 +555,37 @@ def _meta_build() -> Iterator[None]:
     finally:
         for owner, name, original in saved:
             setattr(owner, name, original)
+
+
+def _check_progress(progress: Any) -> None:
+    if not isinstance(progress, bool):
+        raise TypeError(f"progress must be True or False (whether to show vLLM's progress bars), got {progress!r}")
+
+
+@contextlib.contextmanager
+def _progress_bars(llm: Any, shown: bool) -> Iterator[None]:
+    """vLLM's ``LLM.generate`` on ``llm`` with ``use_tqdm=shown`` unless a call names its own, for the block.
+
+    nnsight's plain generate calls it with no ``use_tqdm`` (vLLM's default
+    draws the bars); the instance's attribute stands in front of the method
+    meanwhile (the synchronous engine has one caller at a time).
+    """
+    llm.generate = functools.partial(type(llm).generate, llm, use_tqdm=shown)
+    try:
+        yield
+    finally:
+        del llm.generate
+
+
+#: The code of nnsight's ``VLLM.generate``, whose ``with`` block is a trace opened by it (`StandardizedVLLM.trace`).
+_NNSIGHT_GENERATE = inspect.unwrap(VLLM.generate).__code__
+
+
+#: The names a user reaches on the model (nnterp's accessors and helpers, the standard modules): `__getattr__`'s hints.
+_MODEL_NAMES = sorted(
+    {name for name in vars(StandardizedVLLM) if not name.startswith("_")}
+    | {"layers", "embed_tokens", "ln_final", "lm_head", "trace", "generate", "edit", "tokenizer"}
+)
 
 
 class LayerValues:

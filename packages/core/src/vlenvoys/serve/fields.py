@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
-__all__ = ["CAPTURES_PATH", "FETCH_TOGETHER", "GENERATING", "OWN_FIELDS", "VECTORS_PATH", "SteeringError", "field_entries"]
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..values.names import OWNERS
+
+__all__ = [
+    "CAPTURES_PATH", "FETCH_TOGETHER", "GENERATING", "OWN_FIELDS", "VECTORS_PATH", "CaptureEntry", "SteeringEntry",
+    "SteeringError", "document", "field_entries",
+]
 
 #: Where named vectors are listed (GET) and registered (POST).
 VECTORS_PATH = "/v1/steering/vectors"
@@ -50,3 +57,68 @@ def field_entries(
         if unknown:
             raise error(f"{where}: unknown keys {unknown}; an entry has {sorted(keys)}")
         yield where, entry
+
+
+# -- the fields in the server's OpenAPI document (/openapi.json, /docs) -------------------------------------------
+# The middleware reads the fields from the raw body (vLLM's request models never see them); these models only
+# describe them. The checks, and their messages, are `vlenvoys.serve.steering.steering_spec` and
+# `vlenvoys.serve.capture.capture_spec`; test_llama_serve.py holds both to the same keys.
+
+
+class SteeringEntry(BaseModel):
+    """One entry of a request's ``steering``: ``factor * vector`` added to the residual stream leaving block ``layer``."""
+
+    model_config = ConfigDict(extra="forbid", title="SteeringEntry")
+    value: Literal["layer_output"] = Field("layer_output", description="The value steered: the block's output stream.")
+    layer: int = Field(description="The block, 0-based; negative counts from the end.")
+    vector: list[float] | str = Field(
+        description="hidden_size numbers, or the name of a vector registered with --vectors or POST /v1/steering/vectors."
+    )
+    factor: float = Field(1.0, description="The vector's scale.")
+    positions: Literal["all", "prompt", "generated"] | list[int] = Field(
+        "all", description="Which positions are steered: all, the prompt's, the generated tokens', or a list (0: the "
+        "prompt's first token), at most 65,536.",
+    )
+
+
+class CaptureEntry(BaseModel):
+    """One entry of a request's ``capture``: a standard value at some blocks, returned with the response."""
+
+    model_config = ConfigDict(extra="forbid", title="CaptureEntry")
+    value: Literal[tuple(OWNERS)] = Field(description="A standard block value (nnterp's names).")  # type: ignore[valid-type]
+    layers: int | list[int] | Literal["all"] = Field(description="A block, a list of blocks (negative count from the end), or all.")
+    positions: Literal["prompt", "generated", "all", "last"] | list[int] = Field(
+        "prompt", description="Which rows: the prompt's, the decode steps', both, the prompt's last, or a list (negative "
+        "count from the end of the rows), at most 65,536.",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="The dtype the values are returned in.")
+
+
+def _one_or_list(model: type[BaseModel], description: str) -> dict:
+    reference = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"anyOf": [reference, {"type": "array", "items": reference}, {"type": "null"}], "description": description}
+
+
+#: The fields each generating request's schema gains (`document`).
+_FIELDS = {
+    "steering": _one_or_list(SteeringEntry, "vlenvoys: steer this request's generation (vlenvoys.serve.steering)."),
+    "capture": _one_or_list(CaptureEntry, "vlenvoys: return standard values of this request's run with its response "
+                            "(non-streamed, one prompt, one choice; vlenvoys.serve.capture)."),
+    "capture_transport": {
+        "anyOf": [{"type": "string", "enum": ["inline", "fetch"]}, {"type": "null"}],
+        "description": "vlenvoys: the captured values as base64 in the response (inline, default) or held for one "
+        "GET /v1/captures/{id} as safetensors (fetch).",
+    },
+}
+
+
+def document(schema: dict) -> dict:
+    """vLLM's OpenAPI ``schema`` with the request fields the middleware serves added to its completion and chat
+    completion requests (in place; also returned). A schema without those requests is left as it is."""
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for model in (SteeringEntry, CaptureEntry):
+        components[model.__name__] = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    for request in ("CompletionRequest", "ChatCompletionRequest"):
+        if request in components:
+            components[request].setdefault("properties", {}).update(_FIELDS)
+    return schema

@@ -12,6 +12,7 @@ trace's, bit for bit on the same kernels.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -87,7 +88,8 @@ def generate(
     sampling_params: Any = None,
     *,
     steering: Steering | Sequence[Steering | None] | None = None,
-    use_tqdm: bool | Callable = True,
+    progress: bool = True,
+    use_tqdm: bool | Callable | None = None,
 ) -> list[Any]:
     """Generate from ``prompts`` with each request's own steering; vLLM's ``LLM.generate`` otherwise.
 
@@ -98,7 +100,11 @@ def generate(
             prompt); vLLM's defaults when None. Their ``extra_args`` are kept.
         steering: One `Steering` for every request, one per prompt (None:
             that request is not steered), or None.
-        use_tqdm: vLLM's progress bar.
+        progress: Show vLLM's progress bar of the requests (on by default, as for `vlenvoys.collect`;
+            a trace draws none unless asked). ``False`` for none.
+        use_tqdm: Deprecated (a DeprecationWarning): vLLM's own argument, which
+            this function showed by default; when given, it is passed to vLLM as
+            it is, over ``progress``.
 
     Returns:
         vLLM's ``RequestOutput`` of each prompt, in prompt order.
@@ -123,6 +129,17 @@ def generate(
     from vllm.inputs import TokensPrompt
 
     check_engine(model)
+    if not isinstance(progress, bool):
+        raise TypeError(f"progress must be True or False (vLLM's progress bars), got {progress!r}")
+    if use_tqdm is None:
+        use_tqdm = progress
+    else:
+        warnings.warn(
+            "vlenvoys.generate(use_tqdm=...) is deprecated: pass progress=True for vLLM's progress bars "
+            "(False for none)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
     prompts = checked_prompts(prompts)
     if steering is None or isinstance(steering, Steering):
         steering = [steering] * len(prompts)

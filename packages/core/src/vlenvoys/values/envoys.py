@@ -18,6 +18,7 @@ from .attention import on_decode_step, scores
 from ..errors import FUSED_ROUTING, GATED, NOT_ROUTED, PARALLEL, ROUTED, InvalidWrite, NoSuchBlock, SkipRefused
 from .routing import Chosen, routes_of
 from .routing import Routes as RoutesModule
+from .names import hint
 from .layouts import (
     Derived,
     Experts,
@@ -104,6 +105,19 @@ class StandardEnvoy(Envoy):
     UNAVAILABLE: ClassVar[Mapping[str, str]] = {}
     #: Whether this module's activations carry the batch axis (vLLM's transformers backend).
     BATCHED: ClassVar[bool] = False
+    #: The owner whose standard values this envoy serves (`vlenvoys.values.names.VALUES`): "layer", "self_attn", "mlp".
+    OWNER: ClassVar[str | None] = None
+
+    def __getattr__(self, name: str) -> Any:
+        """nnsight's lookup (a child, then the module's own attribute); a miss close to a standard value's name says
+        which (``model.layers[0].layer_ouput``: "did you mean 'layer_output'?"), one of another envoy where it is."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError as error:
+            told = None if name.startswith("_") else hint(name, self.OWNER)
+            if told is None:
+                raise
+            raise AttributeError(f"{error}; {told}") from None
 
     @classmethod
     def unavailable(cls, value: str) -> str | None:
@@ -139,6 +153,7 @@ class Layer(StandardEnvoy):
       == layer_output``.
     """
 
+    OWNER = "layer"
     STREAM: ClassVar[Slot] = (1, "hidden_states")
     RETURNS_TUPLE: ClassVar[bool] = False
     OUTPUT: ClassVar[int] = 0
@@ -339,6 +354,7 @@ class Attention(Contributing):
     `Contributing`.
     """
 
+    OWNER = "self_attn"
     KERNEL: ClassVar[str] = "attn"
     OUT_PROJ: ClassVar[str] = "o_proj"
 
@@ -432,6 +448,7 @@ class Mlp(Contributing):
     ``MULTIPLIER`` (see `Contributing`).
     """
 
+    OWNER = "mlp"
     KIND: ClassVar[str] = "gated"
     DOWN: ClassVar[str] = "down_proj"
     ROUTER: ClassVar[str] = "gate"

@@ -28,10 +28,12 @@ import torch
 
 from ..values.envoys import block_index
 
-__all__ = ["Entry", "Overlap", "entry", "read", "salt_of", "text"]
+__all__ = ["MAX_POSITIONS", "Entry", "Overlap", "entry", "read", "salt_of", "text"]
 
 #: Positions resolved by the worker from the request's prompt: its own, or every one after it.
 NAMED_POSITIONS = ("prompt", "generated")
+#: The most positions a steering or a capture may list (a slice, or "prompt"/"generated", covers any length).
+MAX_POSITIONS = 1 << 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +111,9 @@ def _positions(positions: Any) -> Any:
             raise ValueError(f"Steering.positions: a slice needs non-negative bounds and no step, got {positions}")
         return {"start": int(start), "stop": None if stop is None else int(stop)}
     listed = [positions] if isinstance(positions, int) else list(positions)
+    if len(listed) > MAX_POSITIONS:
+        raise ValueError(f"Steering.positions: {len(listed)} positions, at most {MAX_POSITIONS} are served "
+                         "(a slice steers a range of any length)")
     if not all(isinstance(each, int) and not isinstance(each, bool) and each >= 0 for each in listed):
         raise ValueError(
             f"Steering.positions: expected non-negative token positions (a generation's length is not known "
