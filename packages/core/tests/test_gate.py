@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 from pathlib import Path
@@ -89,24 +90,51 @@ def test_readme_and_docs_show_the_latest_gate():
         assert shown == expected, f"{page.name} does not show {latest.name}: run benchmarks/gate.py --report {latest}"
 
 
+def code_of(source: str) -> str:
+    """A module's code without its docstrings and comments (``ast.dump``, no line numbers): what the engine runs."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body and (
+            isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str)
+        ):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
+
+
+def test_code_of_leaves_out_docstrings_and_comments_only():
+    plain = "def f(x):\n    return x + 1\n"
+    assert code_of('"""A module."""\n' + plain.replace("    return", '    """Adds one."""\n    # why\n    return')) == code_of(plain)
+    assert code_of(plain.replace("+ 1", "+ 2")) != code_of(plain)
+    assert code_of(plain.replace("return x + 1", 'return "a string"')) != code_of(plain)
+
+
 def test_the_latest_gate_measured_the_runtime_code_of_this_checkout():
     """Every change to runtime code under packages/*/src runs the gate at its last commit and commits the result (#45
-    item 3). vlenvoys-testing (packages/testing) is test support, which no engine runs."""
+    item 3). vlenvoys-testing (packages/testing) is test support, which no engine runs; a change to a module's
+    docstrings or comments alone runs nothing different (`code_of`)."""
     latest = gate.latest()
     assert latest is not None, "no gate result in benchmarks/results: every change to runtime code commits one"
     commit = json.loads(latest.read_text())["commit"]
     assert "+" not in commit, f"{latest.name} measured uncommitted code"
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+
     try:
-        changed = subprocess.run(["git", "diff", "--stat", commit, "HEAD", "--", ":(glob)packages/*/src/**",
-                                  ":(exclude)packages/testing/**"], cwd=ROOT,
-                                 capture_output=True, text=True, timeout=60)
+        changed = git("diff", "--name-only", commit, "HEAD", "--", ":(glob)packages/*/src/**", ":(exclude)packages/testing/**")
     except (OSError, subprocess.TimeoutExpired):
         pytest.skip("no git here")
     if changed.returncode != 0:
         pytest.skip(f"this checkout cannot compare with {commit}: {changed.stderr.strip()[:200]}")
-    assert changed.stdout.strip() == "", (
+    code_changed = []
+    for path in changed.stdout.split():
+        before, after = git("show", f"{commit}:{path}"), git("show", f"HEAD:{path}")
+        if not path.endswith(".py") or before.returncode or after.returncode or code_of(before.stdout) != code_of(after.stdout):
+            code_changed.append(path)
+    assert not code_changed, (
         f"runtime code changed since the latest gate ({latest.name}, at {commit}): run benchmarks/gate.py on a GPU "
-        f"at this commit and commit its result\n{changed.stdout}"
+        f"at this commit and commit its result: {', '.join(code_changed)}"
     )
 
 

@@ -202,7 +202,8 @@ def stream(
 
 
 def progress_bar(total: int | None, unit: str, **options: Any) -> Any:
-    """A tqdm progress bar (``tqdm.auto``'s: a widget in a notebook) of ``total`` ``unit``\ s, described "collecting"."""
+    """A tqdm progress bar (``tqdm.auto``'s: a widget in a notebook) of ``total`` items named ``unit``, described
+    "collecting"."""
     from tqdm.auto import tqdm
 
     return tqdm(total=total, unit=unit, desc="collecting", **options)
