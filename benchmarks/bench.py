@@ -146,7 +146,7 @@ class PeakMemory:
 def plain_vllm(model, texts, max_tokens=1):
     from vllm import SamplingParams
 
-    model.vllm_entrypoint.generate(texts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    model.vllm_entrypoint.generate(texts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False)
 
 
 def plain_vllm_windowed(model, texts, window=64):
@@ -566,7 +566,7 @@ def requests(llm, texts, tokens, detokenize=True):
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=detokenize)
-    llm.generate(texts, params)
+    llm.generate(texts, params, use_tqdm=False)
 
 
 def plain_prefill(model, cut: list[list[int]], in_flight: int, detokenize: bool = True) -> None:
