@@ -624,9 +624,11 @@ def captured(client, server, prompt, capture, transport=None, **extra):
                                      extra_body=body)
 
 
+@pytest.mark.parametrize("local", [None, False], ids=["local", "http"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fetched_values_equal_the_inline_ones_bit_for_bit(server, client, prompts, dtype):
-    """The prompt's, the decode steps' and listed positions' values, fetched as safetensors, equal the same
+def test_fetched_values_equal_the_inline_ones_bit_for_bit(server, client, prompts, dtype, local):
+    """The prompt's, the decode steps' and listed positions' values, fetched as safetensors (through HTTP, or as
+    the capture's file, which a client on the server's host maps: the default at 127.0.0.1), equal the same
     request's inline base64 ones bit for bit; the entries say the same but for ``data`` (inline) and ``id``/``url``."""
     from vlenvoys.capturing import decode, fetch
 
@@ -643,7 +645,7 @@ def test_fetched_values_equal_the_inline_ones_bit_for_bit(server, client, prompt
         assert [{**entry, "data": None} for entry in entries] == [
             {key: value for key, value in entry.items() if key not in ("id", "url")} | {"data": None} for entry in held
         ]
-        got = fetch(f"{server['url']}/v1", fetched, api_key=KEY)
+        got = fetch(f"{server['url']}/v1", fetched, api_key=KEY, local=local)
         assert len(got) == 3
         for entry, tensor in zip(entries, got, strict=True):
             want = decode(entry)
@@ -768,6 +770,65 @@ def test_an_unfetched_capture_expires_after_the_ttl(server, client):
     with pytest.raises(CaptureGone, match=f"expired: not fetched within {HELD_SECONDS} s"):
         fetch(server["url"], late, api_key=KEY)
     assert torch.equal(tensor, fetch(server["url"], captured(client, server, "The cat", capture), api_key=KEY)[0])
+
+
+def held_files() -> set[str]:
+    """The files of captures held under /dev/shm (`vlenvoys.serve.capture.Image`), of every server on this host."""
+    import glob
+
+    return set(glob.glob("/dev/shm/vlenvoys-capture-*.safetensors"))
+
+
+def test_a_local_fetch_hands_over_the_captures_file_and_none_is_left_behind(server, client, prompts):
+    """Raw HTTP with ``local=1``: the answer names the capture's file under /dev/shm (a safetensors file of its
+    values, bit for bit the inline ones) and carries no values; the client removes it (`fetch` does). A capture
+    never fetched, and a file handed over that its client never removed, are removed ``--capture-ttl`` seconds on;
+    a bad ``local`` is a 400, and a fetch of a capture gone a 404, as without it."""
+    import json
+    import struct
+    import time
+
+    import httpx
+    from safetensors.torch import load, load_file
+    from vlenvoys.capturing import CaptureGone, decode, fetch
+
+    capture = [{"value": "layer_output", "layers": [0, 2]}, {"value": "mlp_output", "layers": 1, "positions": "last"}]
+    url, headers = f"{server['url']}/v1/captures", {"Authorization": f"Bearer {KEY}"}
+
+    def metadata(content: bytes) -> dict:
+        (size,) = struct.unpack("<Q", content[:8])
+        return json.loads(content[8 : 8 + size]).get("__metadata__", {})
+
+    before = held_files()
+    answers = [captured(client, server, ids, capture, "fetch") for ids in prompts[:3]]
+    inline = captured(client, server, prompts[0], capture).model_extra["capture"]
+    files = held_files() - before
+    assert len(files) == 3, "each held capture is a file of its own"
+    name = answers[0].model_extra["capture"][0]["id"]
+    for query in ("2", "yes"):
+        refused = httpx.get(f"{url}/{name}", params={"local": query}, headers=headers, timeout=60)
+        assert refused.status_code == 400 and "local: expected 0 or 1" in refused.json()["error"]["message"]
+    handed = httpx.get(f"{url}/{name}", params={"local": "1"}, headers=headers, timeout=60)
+    assert handed.status_code == 200 and load(handed.content) == {}, "a file handed over carries no values here"
+    path = json.loads(metadata(handed.content)["files"])[name]
+    assert path in files and os.path.exists(path)
+    for entry in inline:
+        assert torch.equal(load_file(path)[entry["value"]].view(torch.uint8), decode(entry).view(torch.uint8))
+    os.unlink(path)  # the client's to remove
+    gone = httpx.get(f"{url}/{name}", params={"local": "1"}, headers=headers, timeout=60)
+    assert gone.status_code == 404 and "fetched already" in gone.json()["error"]["message"]
+    second = answers[1].model_extra["capture"][0]["id"]
+    together = httpx.get(url, params={"ids": f"{second},0123abcd", "local": "1"}, headers=headers, timeout=60)
+    assert together.status_code == 200 and load(together.content) == {}
+    kept = json.loads(metadata(together.content)["files"])[second]
+    assert list(json.loads(metadata(together.content)["gone"])) == ["0123abcd"]
+    # Neither removed by a client nor fetched: both go once --capture-ttl seconds have passed (checked on the next
+    # put or fetch), and the fetch of the one never fetched says it expired.
+    assert os.path.exists(kept) and (files - {path, kept}) <= held_files()
+    time.sleep(HELD_SECONDS + 0.5)
+    with pytest.raises(CaptureGone, match="expired"):
+        fetch(server["url"], answers[2], api_key=KEY)
+    assert not (files & held_files()), "no file is left behind"
 
 
 def test_the_oldest_held_captures_are_dropped_beyond_the_cap(server, client):

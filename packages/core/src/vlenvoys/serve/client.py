@@ -3,13 +3,20 @@
 What the server answers is `vlenvoys.serve.capture`'s; this is what a client
 of it runs (in any process, with no engine): `decode` an inline entry, `fetch`
 (or `fetch_async`) a response's values whichever way they came.
+
+A fetched body is read into one buffer and its tensors view it; on the
+server's host (by default where its address is a loopback one) a fetch asks
+for each capture's file instead (``local=1``), maps it and removes it: the
+values then cross no socket and are copied by neither side.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
+import os
 import struct
 import weakref
 from typing import Any
@@ -38,7 +45,7 @@ def decode(entry: dict) -> torch.Tensor:
 
 
 def fetch(base_url: str, answer: Any, *, api_key: str | None = None, timeout: float = 60.0,
-          client: Any = None) -> list[torch.Tensor]:
+          client: Any = None, local: bool | None = None) -> list[torch.Tensor]:
     """A response's captured values as tensors, one per ``capture`` entry in order, as `decode` gives them.
 
     Entries of ``"capture_transport": "fetch"`` are fetched from the server
@@ -53,6 +60,11 @@ def fetch(base_url: str, answer: Any, *, api_key: str | None = None, timeout: fl
         api_key: The server's ``--api-key``, if it has one.
         timeout: Seconds for each fetch (httpx's timeout).
         client: An ``httpx.Client`` to fetch with (kept open); default one of its own.
+        local: Whether this client runs on the server's host: the server then
+            hands over the file each capture lies in, under ``/dev/shm``, which
+            is mapped here (no copy of the values through HTTP) and removed.
+            Default: where ``base_url``'s host is a loopback address
+            (``localhost``, ``127.0.0.1``, ``::1``).
 
     Returns:
         Each entry's values, ``[layers, positions, *row]`` of its ``shape``, in
@@ -62,7 +74,8 @@ def fetch(base_url: str, answer: Any, *, api_key: str | None = None, timeout: fl
     Raises:
         CaptureGone: the server holds no such capture (a 404: fetched already,
             expired after ``--capture-ttl``, dropped for newer ones beyond
-            ``--capture-held-bytes``, or unknown), with its reason.
+            ``--capture-held-bytes``, or unknown), with its reason; or, with
+            ``local``, its file is not there (not on this host).
         httpx.HTTPStatusError: another refusal (a 401 for a wrong ``api_key``).
         httpx.HTTPError: the server could not be reached.
         KeyError: ``answer`` has no ``capture`` list, or an entry lacks a key.
@@ -74,13 +87,21 @@ def fetch(base_url: str, answer: Any, *, api_key: str | None = None, timeout: fl
 
     entries = _entries_of(answer)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    params = {"local": "1"} if _local(base_url, local) else {}
+    got = {}
     with contextlib.nullcontext(client) if client is not None else httpx.Client(timeout=timeout) as http:
-        got = {url: _file(_body(http.get(_root(base_url) + url, headers=headers))) for url in _urls(entries)}
+        for url in _urls(entries):
+            with http.stream("GET", _root(base_url) + url, params=params, headers=headers) as response:
+                if response.status_code != 200:
+                    response.read()
+                    _body(response)
+                name = url.rsplit("/", 1)[-1]
+                got[url] = _held(_captures(_filled(response, response.iter_bytes()), [name], False)[name])
     return _tensors(entries, got)
 
 
 async def fetch_async(base_url: str, answer: Any, *, api_key: str | None = None, timeout: float = 60.0,
-                      client: Any = None) -> list[torch.Tensor]:
+                      client: Any = None, local: bool | None = None) -> list[torch.Tensor]:
     """`fetch` for asyncio: the same arguments, results and errors, ``client`` an ``httpx.AsyncClient``.
 
     Calls that share a ``client`` are fetched together: the captures asked
@@ -95,12 +116,14 @@ async def fetch_async(base_url: str, answer: Any, *, api_key: str | None = None,
     entries = _entries_of(answer)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     urls = _urls(entries)
+    local = _local(base_url, local)
     if client is None:
         async with httpx.AsyncClient(timeout=timeout) as http:
-            answers = await asyncio.gather(*(http.get(_root(base_url) + url, headers=headers) for url in urls))
-        return _tensors(entries, {url: _file(_body(each)) for url, each in zip(urls, answers, strict=True)})
-    together = _together(client, _root(base_url), headers)
-    files = await asyncio.gather(*(together.take(url.rsplit("/", 1)[-1]) for url in urls))
+            together = Together(http, _root(base_url), headers, local)
+            files = await asyncio.gather(*(together.take(url.rsplit("/", 1)[-1]) for url in urls))
+    else:
+        together = _together(client, _root(base_url), headers, local)
+        files = await asyncio.gather(*(together.take(url.rsplit("/", 1)[-1]) for url in urls))
     return _tensors(entries, dict(zip(urls, files, strict=True)))
 
 
@@ -111,8 +134,8 @@ class Together:
     #: Fetches on their way at once.
     PARALLEL = 4
 
-    def __init__(self, client: Any, root: str, headers: dict[str, str]) -> None:
-        self.client, self.root, self.headers = client, root, headers
+    def __init__(self, client: Any, root: str, headers: dict[str, str], local: bool = False) -> None:
+        self.client, self.root, self.headers, self.local = client, root, headers, local
         #: capture id -> the future of its tensors, not asked for yet.
         self.waiting: dict[str, asyncio.Future] = {}
         self.sending = 0
@@ -132,52 +155,135 @@ class Together:
             while self.waiting:
                 names = list(self.waiting)[:FETCH_TOGETHER]
                 batch = {name: self.waiting.pop(name) for name in names}
+                params = {"ids": ",".join(names), **({"local": "1"} if self.local else {})}
                 try:
-                    response = await self.client.get(f"{self.root}{CAPTURES_PATH}", params={"ids": ",".join(names)},
-                                                      headers=self.headers)
-                    each = _files_of(_body(response), names)
+                    async with self.client.stream("GET", f"{self.root}{CAPTURES_PATH}", params=params,
+                                                  headers=self.headers) as response:
+                        if response.status_code != 200:
+                            await response.aread()
+                            _body(response)
+                        chunks = [chunk async for chunk in response.aiter_bytes()]
+                    each = _captures(_filled(response, chunks), names, True)
                 except Exception as error:  # every capture of this fetch hears of it
                     each = dict.fromkeys(names, error)
                 for name, future in batch.items():
                     if future.done():
+                        _held(each[name], drop=True)
                         continue
-                    if isinstance(each[name], BaseException):
-                        future.set_exception(each[name])
-                    else:
-                        future.set_result(each[name])
+                    try:
+                        future.set_result(_held(each[name]))
+                    except Exception as error:  # its caller's to hear (the file gone, unreadable)
+                        future.set_exception(error)
         finally:
             self.sending -= 1
 
 
-#: httpx.AsyncClient -> {(server, headers): its `Together`}; forgotten with the client.
+#: httpx.AsyncClient -> {(server, headers, local): its `Together`}; forgotten with the client.
 _TOGETHER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _together(client: Any, root: str, headers: dict[str, str]) -> Together:
+def _together(client: Any, root: str, headers: dict[str, str], local: bool = False) -> Together:
     servers = _TOGETHER.setdefault(client, {})
-    key = (root, tuple(sorted(headers.items())))
+    key = (root, tuple(sorted(headers.items())), local)
     if key not in servers:
-        servers[key] = Together(client, root, headers)
+        servers[key] = Together(client, root, headers, local)
     return servers[key]
 
 
-def _file(data: bytes) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load
+def _local(base_url: str, local: bool | None) -> bool:
+    """``local``, or by default whether ``base_url``'s host is a loopback address."""
+    if local is not None:
+        return local
+    import ipaddress
+    from urllib.parse import urlsplit
 
-    return load(data)
+    host = urlsplit(base_url if "//" in base_url else f"//{base_url}").hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
-def _files_of(data: bytes, names: list[str]) -> dict[str, dict[str, torch.Tensor] | CaptureGone]:
-    """A fetch of several captures (``GET /v1/captures?ids=``) split: each id's tensors, or why it has none."""
-    (size,) = struct.unpack("<Q", data[:8])
-    gone = json.loads(json.loads(data[8 : 8 + size]).get("__metadata__", {}).get("gone", "{}"))
+def _filled(response: Any, chunks: Any) -> bytearray:
+    """A response's body, read into one bytearray (its size known from its header: no join, no copy after)."""
+    length = response.headers.get("content-length")
+    if length is None or "content-encoding" in response.headers:
+        return bytearray(b"".join(chunks))
+    body, at = bytearray(int(length)), 0
+    for chunk in chunks:
+        body[at : at + len(chunk)] = chunk
+        at += len(chunk)
+    if at != len(body):
+        raise ValueError(f"a capture's fetch: {at} bytes of the {len(body)} its content-length says")
+    return body
+
+
+#: safetensors' dtype names, of the dtypes a capture may be in.
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def _parsed(buffer: Any) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """A safetensors file in ``buffer`` (writable: a bytearray, or a private mapping) as its metadata and
+    tensors, each viewing ``buffer`` (no copy) where it is aligned to its dtype's size, copied where not."""
+    (size,) = struct.unpack("<Q", buffer[:8])
+    header = json.loads(bytes(buffer[8 : 8 + size]))
+    metadata = header.pop("__metadata__", None) or {}
+    start, tensors = 8 + size, {}
+    for name, entry in header.items():
+        dtype = _DTYPES[entry["dtype"]]
+        begin, end = (start + at for at in entry["data_offsets"])
+        count = (end - begin) // dtype.itemsize
+        if count == 0:
+            tensors[name] = torch.empty(entry["shape"], dtype=dtype)
+        elif begin % dtype.itemsize:
+            tensors[name] = torch.frombuffer(bytearray(buffer[begin:end]), dtype=dtype).view(entry["shape"])
+        else:
+            tensors[name] = torch.frombuffer(buffer, dtype=dtype, count=count, offset=begin).view(entry["shape"])
+    return metadata, tensors
+
+
+def _captures(body: bytearray, names: list[str], prefixed: bool) -> dict[str, Any]:
+    """A fetch's answer split: each id's tensors (``{value: tensor}``), the path of its file to map (a ``str``,
+    ``local=1``), or why it has none (`CaptureGone`). ``prefixed``: tensors named ``{id}/{value}`` (several ids)."""
+    metadata, tensors = _parsed(body)
     files: dict[str, Any] = {name: {} for name in names}
-    for key, tensor in _file(data).items():
-        name, _, value = key.partition("/")
+    for key, tensor in tensors.items():
+        name, _, value = key.partition("/") if prefixed else (names[0], "", key)
         files[name][value] = tensor
-    for name, why in gone.items():
+    for name, why in json.loads(metadata.get("gone", "{}")).items():
         files[name] = CaptureGone(why)
+    files.update(json.loads(metadata.get("files", "{}")))
     return files
+
+
+def _held(each: Any, drop: bool = False) -> dict[str, torch.Tensor]:
+    """One capture of `_captures`: its tensors; mapped from its file (which is removed); or its error raised.
+    ``drop``: nobody wants it: its file is removed unread."""
+    if isinstance(each, BaseException):
+        if drop:
+            return {}
+        raise each
+    if not isinstance(each, str):
+        return each
+    import mmap
+
+    try:
+        if drop:
+            return {}
+        try:
+            with open(each, "rb") as handle:
+                mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)  # private: writes stay here
+        except FileNotFoundError:
+            raise CaptureGone(
+                f"the server handed over the capture's file {each}, which is not on this host (fetch with "
+                "local=False), or was removed (--capture-ttl seconds after it was handed over)"
+            ) from None
+        return _parsed(mapping)[1]
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(each)
 
 
 def _entries_of(answer: Any) -> list[dict]:
