@@ -349,6 +349,16 @@ def test_serve_without_a_model_serves_the_built_in_one():
         assert parsed(named).model == "some/checkpoint" and not parsed(named).served_model_name
 
 
+def test_serve_with_a_config_file_naming_a_model_serves_that_one(tmp_path):
+    """A model named by ``--config`` (vLLM's YAML of arguments) is the one served, not the built-in one."""
+    from vlenvoys.serve.server import parsed
+
+    config = tmp_path / "serve.yaml"
+    config.write_text("model: some/checkpoint\nport: 8123\n")
+    args = parsed(["--config", str(config)])
+    assert (args.model, args.port) == ("some/checkpoint", 8123) and not args.served_model_name
+
+
 def test_the_openapi_document_describes_steering_and_capture(server):
     """/openapi.json (and /docs) show the request fields the middleware serves, with the keys it takes (#49)."""
     import httpx

@@ -381,8 +381,13 @@ def parsed(argv: Sequence[str]) -> Any:
     ``--served-model-name`` gives one.
     """
     argv = list(argv)
-    args = parser().parse_args(argv)
-    named = getattr(args, "model_tag", None) or any(each == "--model" or each.startswith("--model=") for each in argv)
+    made = parser()
+    args = made.parse_args(argv)
+    # A model named on the command line, or by a --config file (whose keys vLLM's parser reads, not argv): either
+    # way args.model is not the parser's default then; argv is scanned too, for one that names the default itself.
+    named = getattr(args, "model_tag", None) or args.model != made.get_default("model") or any(
+        each == "--model" or each.startswith("--model=") for each in argv
+    )
     if not named:
         args.model = str(smollm2_path())
         if not args.served_model_name:
