@@ -139,6 +139,8 @@ class Together:
         #: capture id -> the future of its tensors, not asked for yet.
         self.waiting: dict[str, asyncio.Future] = {}
         self.sending = 0
+        #: The `_send` tasks on their way, referenced until done (the event loop keeps only a weak reference).
+        self.tasks: set[asyncio.Task] = set()
 
     async def take(self, name: str) -> dict[str, torch.Tensor]:
         """The tensors of capture ``name`` (``{value: tensor}``), fetched with whatever else is waiting."""
@@ -147,7 +149,9 @@ class Together:
             future = self.waiting[name] = asyncio.get_running_loop().create_future()
         if self.sending < self.PARALLEL:
             self.sending += 1
-            asyncio.get_running_loop().create_task(self._send())
+            task = asyncio.get_running_loop().create_task(self._send())
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
         return await asyncio.shield(future)  # a caller that gives up leaves the others' fetch alone
 
     async def _send(self) -> None:
