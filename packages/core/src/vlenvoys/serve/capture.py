@@ -103,6 +103,7 @@ import weakref
 from collections import OrderedDict
 from typing import Any
 
+import numpy
 import torch
 
 from ..collect.rows import new_name, received
@@ -632,19 +633,14 @@ def _values_of_each(packed: dict, batch: dict[str, tuple], head_dims: dict) -> d
     None, held)), None for those not wanted."""
     taken = received(packed, joined=False)  # `_values` copies each request's pieces into place: none joined first
     at = {name: index for index, name in enumerate(taken["order"])}
-    # One intra-op thread for these copies (OpenMP's setting is this thread's; put back after): each is a few
-    # MiB into new pages, which two threads copied 2.5 to 3.5 times slower than one, in CPU and in wall time
-    # (64 captures of 2.9 MB on the CPU engine's host: 1.34 s against 0.54 s, alone; in the server, 1.12 s
-    # of CPU a round against 0.23 s; benchmarks/results/serve-capture-cost-cpu.md).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return {
-            name: _values(taken, name, at.get(name), head_dims, entries, completed, held) if wanted else None
-            for name, (_, entries, wanted, completed, held) in batch.items()
-        }
-    finally:
-        torch.set_num_threads(threads)
+    # No torch.set_num_threads(1) here (it was, for these copies): that setting is the whole process's, not this
+    # worker thread's, and two takes at once raced on it. The copies that matter are single-threaded by
+    # construction instead (`_copy`: numpy, which runs no intra-op threads): two threads copied a few MiB into
+    # new pages 2.5 to 3.5 times slower than one (benchmarks/results/serve-capture-cost-cpu.md).
+    return {
+        name: _values(taken, name, at.get(name), head_dims, entries, completed, held) if wanted else None
+        for name, (_, entries, wanted, completed, held) in batch.items()
+    }
 
 
 def _inline(answer: dict, values: list[tuple[dict, torch.Tensor]]) -> bytes:
@@ -728,16 +724,40 @@ def _copy_rows(into: torch.Tensor, pieces: list[torch.Tensor], span: tuple[int, 
     """Copy rows of ``pieces`` (one request's rows, in order) into ``into`` (``[positions, *row]``): those of
     ``span``, piece by piece as they lie, or, where the positions are no span, those ``index`` lists."""
     if span is None:
-        block = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-        into.copy_(block.index_select(0, index).reshape(into.shape))
+        at, places = 0, []
+        for piece in pieces:  # each position's piece and row there
+            places += [(piece, row) for row in range(piece.shape[0])]
+            at += piece.shape[0]
+        for place, position in enumerate(index.tolist()):
+            piece, row = places[position]
+            _copy(into[place], piece[row])
         return
     (begin, end), at = span, 0
     for piece in pieces:
         low, high = max(begin, at), min(end, at + piece.shape[0])
         if low < high:
-            place = into[low - begin : high - begin]
-            place.copy_(piece[low - at : high - at].reshape(place.shape))
+            _copy(into[low - begin : high - begin], piece[low - at : high - at])
         at += piece.shape[0]
+
+
+#: An integer dtype of each size, to copy any dtype's bits through numpy (which has no bfloat16).
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _copy(into: torch.Tensor, source: torch.Tensor) -> None:
+    """``into[...] = source`` (reshaped to ``into``'s shape, cast to its dtype), in this thread alone where it
+    can be: numpy copies one dtype's bits, and widens bfloat16 to float32 (its bits shifted 16 up, as torch
+    does: the same bits); other casts are torch's (which may use its intra-op threads)."""
+    source = source.reshape(into.shape)
+    if into.dtype == source.dtype:
+        bits = _BITS[into.dtype.itemsize]
+        numpy.copyto(into.view(bits).numpy(), source.view(bits).numpy())
+    elif (source.dtype, into.dtype) == (torch.bfloat16, torch.float32):
+        wide = into.view(torch.int32).numpy().view(numpy.uint32)
+        numpy.copyto(wide, source.view(torch.int16).numpy().view(numpy.uint16))
+        numpy.left_shift(wide, 16, out=wide)
+    else:
+        into.copy_(source)
 
 
 def _span(chosen: list[int]) -> tuple[int, int] | None:
