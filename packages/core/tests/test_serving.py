@@ -171,20 +171,64 @@ def test_an_async_http_client_works_after_import_vlenvoys():
 
 
 def test_a_capture_too_large_to_hold_names_sizes_under_a_mib_in_bytes():
-    from vlenvoys.serve.capture import CaptureError, Held
+    from vlenvoys.serve.capture import CaptureError, Held, Image
 
     with pytest.raises(CaptureError, match=r"capture: 4,000 bytes of values, beyond the 1,000 bytes this server holds"):
-        Held(most=1000).put({"layer_output": torch.zeros(1000)})
+        Held(most=1000).put(Image({"layer_output": (torch.float32, (1000,))}))
     with pytest.raises(CaptureError, match=r"capture: 4.0 MiB of values, beyond the 1.0 MiB"):
-        Held(most=2**20).put({"layer_output": torch.zeros(2**20)})
+        Held(most=2**20).put(Image({"layer_output": (torch.float32, (2**20,))}))
 
 
-def test_a_held_capture_is_taken_once_and_serialized_as_safetensors():
+def test_a_held_capture_is_taken_once_and_served_as_safetensors():
     from safetensors.torch import load
-    from vlenvoys.serve.capture import CaptureGone, Held, as_file
+    from vlenvoys.serve.capture import CaptureGone, Held, Image, fetch_body
 
     held = Held()
-    name = held.put({"layer_output": torch.arange(6.0).view(2, 3)})
-    assert torch.equal(load(as_file(held.take(name)))["layer_output"], torch.arange(6.0).view(2, 3))
+    image = Image({"layer_output": (torch.float32, (2, 3))}, held.prefix)
+    image.tensors["layer_output"].copy_(torch.arange(6.0).view(2, 3))
+    name = held.put(image)
+    body = b"".join(bytes(part) for part in fetch_body({name: held.take(name)}, prefixed=False))
+    assert torch.equal(load(body)["layer_output"], torch.arange(6.0).view(2, 3))
     with pytest.raises(CaptureGone, match="fetched already"):
         held.take(name)
+    held.close()
+
+
+def test_a_killed_servers_capture_files_are_swept():
+    """A server SIGKILLed with captures held (and one handed over) leaves its files in /dev/shm; `sweep` (run by
+    every engine's workers as they start) tells them by their unlocked beacon and removes them, not a live one's."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from vlenvoys.serve.capture import Held, Image
+    from vlenvoys.wire.shm import sweep
+
+    code = (
+        "import sys, torch\n"
+        "from vlenvoys.serve.capture import Held, Image\n"
+        "held = Held()\n"
+        "paths = [Image({'v': (torch.float32, (4,))}, held.prefix) for _ in range(2)]\n"
+        "held.put(paths[0]); print(held.beacon.path, paths[0].path, paths[1].handed(), flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    left = process.stdout.readline().split()
+    alive = Held()
+    mine = Image({"v": (torch.float32, (4,))}, alive.prefix)
+    alive.put(mine)
+    try:
+        assert len(left) == 3 and all(os.path.exists(path) for path in left)
+        assert not any(os.path.basename(path) in sweep() for path in left), "a live server's files stay"
+    finally:
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+    assert all(os.path.exists(path) for path in left), "SIGKILL leaves them"
+    swept = sweep()
+    assert {os.path.basename(path) for path in left} <= set(swept)
+    assert not any(os.path.exists(path) for path in left)
+    assert os.path.exists(mine.path) and os.path.exists(alive.beacon.path)
+    alive.close()
+    assert not os.path.exists(mine.path) and not os.path.exists(alive.beacon.path)

@@ -652,8 +652,10 @@ def test_fetched_values_equal_the_inline_ones_bit_for_bit(server, client, prompt
         entries, held = inline.model_extra["capture"], fetched.model_extra["capture"]
         assert all("data" not in entry and entry["url"] == f"/v1/captures/{entry['id']}" for entry in held)
         assert len({entry["id"] for entry in held}) == 1, "a response's entries are fetched together"
+        assert len({json.dumps(entry["beacon"]) for entry in held}) == 1, "each names the server's beacon"
         assert [{**entry, "data": None} for entry in entries] == [
-            {key: value for key, value in entry.items() if key not in ("id", "url")} | {"data": None} for entry in held
+            {key: value for key, value in entry.items() if key not in ("id", "url", "beacon")} | {"data": None}
+            for entry in held
         ]
         got = fetch(f"{server['url']}/v1", fetched, api_key=KEY, local=local)
         assert len(got) == 3
@@ -786,7 +788,7 @@ def held_files() -> set[str]:
     """The files of captures held under /dev/shm (`vlenvoys.serve.capture.Image`), of every server on this host."""
     import glob
 
-    return set(glob.glob("/dev/shm/vlenvoys-capture-*.safetensors"))
+    return set(glob.glob("/dev/shm/vlenvoys-serve-*-*.safetensors"))
 
 
 def test_a_local_fetch_hands_over_the_captures_file_and_none_is_left_behind(server, client, prompts):
@@ -832,13 +834,48 @@ def test_a_local_fetch_hands_over_the_captures_file_and_none_is_left_behind(serv
     assert together.status_code == 200 and load(together.content) == {}
     kept = json.loads(metadata(together.content)["files"])[second]
     assert list(json.loads(metadata(together.content)["gone"])) == ["0123abcd"]
-    # Neither removed by a client nor fetched: both go once --capture-ttl seconds have passed (checked on the next
-    # put or fetch), and the fetch of the one never fetched says it expired.
+    # Neither removed by a client nor fetched: both go once --capture-ttl seconds have passed, on the server's
+    # timer (no request in between), and the fetch of the one never fetched says it expired.
     assert os.path.exists(kept) and (files - {path, kept}) <= held_files()
     time.sleep(HELD_SECONDS + 0.5)
+    assert not (files & held_files()), "removed on the server's timer, with no request since"
     with pytest.raises(CaptureGone, match="expired"):
         fetch(server["url"], answers[2], api_key=KEY)
     assert not (files & held_files()), "no file is left behind"
+
+
+def test_files_handed_over_count_against_the_cap_until_removed(server, client):
+    """A file handed over (raw ``local=1``) and not removed by its client counts against --capture-held-bytes: with
+    it, a fourth capture of 300 KiB drops the oldest held one; with three, a new one finds no room (a 400 saying
+    why). Removed by their client, they count no more."""
+    import struct
+
+    import httpx
+    from vlenvoys.capturing import CaptureGone, fetch
+
+    url, headers = f"{server['url']}/v1/captures", {"Authorization": f"Bearer {KEY}"}
+
+    def handed() -> str:
+        name = captured(client, server, "The cat", BIG, "fetch").model_extra["capture"][0]["id"]
+        answer = httpx.get(f"{url}/{name}", params={"local": "1"}, headers=headers, timeout=60)
+        (size,) = struct.unpack("<Q", answer.content[:8])
+        return json.loads(json.loads(answer.content[8 : 8 + size])["__metadata__"]["files"])[name]
+
+    first = handed()
+    answers = [captured(client, server, "The cat", BIG, "fetch") for _ in range(3)]
+    with pytest.raises(CaptureGone, match="dropped unfetched to make room for newer captures"):
+        fetch(server["url"], answers[0], api_key=KEY)
+    os.unlink(first)  # its client's removal: the next capture finds room, none dropped
+    answers.append(captured(client, server, "The cat", BIG, "fetch"))
+    got = [fetch(server["url"], answer, api_key=KEY)[0] for answer in answers[1:]]
+    assert all(list(tensor.shape) == [3, 200, 128] and torch.equal(tensor, got[0]) for tensor in got)
+    files = [handed() for _ in range(3)]
+    with pytest.raises(Exception, match="files handed to clients on its host that they have not removed yet"):
+        captured(client, server, "The cat", BIG, "fetch")
+    for path in files:
+        os.unlink(path)
+    (again,) = fetch(server["url"], captured(client, server, "The cat", BIG, "fetch"), api_key=KEY)
+    assert torch.equal(again, got[0])
 
 
 def test_the_oldest_held_captures_are_dropped_beyond_the_cap(server, client):

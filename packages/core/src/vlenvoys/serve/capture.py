@@ -45,17 +45,34 @@ A held capture lies in a file of its own under `HELD_FOLDER` (``/dev/shm``,
 where there is room; else in the server's memory), laid out as the
 safetensors file a fetch answers: its values are copied once, from the
 engine's memory into that file, and a fetch sends its bytes as they lie. A
-client on the server's host may fetch with ``local=1`` (either form; from a
-loopback address, else a 400): the server then sends no values but names each
-capture's file in the answer's metadata ``files`` (a JSON object of id ->
-path), and the file is the client's: it maps it (no copy of the values) and
-removes it. A file is removed with its capture when it expires or is dropped
-unfetched, and a file handed over that its client did not remove is removed
-``--capture-ttl`` seconds after (and every one left when the server exits).
+client that can read the server's files may fetch with ``local=1`` (either
+form; from a loopback address, else a 400): the server then sends no values
+but names each capture's file in the answer's metadata ``files`` (a JSON
+object of id -> path), and the file is the client's: it maps it (no copy of
+the values) and removes it. A loopback address is no proof that the client
+reads the server's ``/dev/shm`` (an SSH tunnel, ``kubectl port-forward``), so
+the client proves it before it asks: the server makes a `Beacon` there when it
+starts (mode 0600, a random token, removed when it exits), and each entry of a
+capture held in a file names it::
+
+    "beacon": {"path": "/dev/shm/vlenvoys-serve-<16 hex>.lock", "token": "<32 hex>"}
+
+A client that opens that path and reads that token reads the server's files
+(the same host's ``/dev/shm``, the server's user or root); any other fetches
+the bytes. It opens only the server's own capture files (`CAPTURE_FILE`,
+directly in the folder, no link, of the beacon's owner), and removes only
+those. A file is removed with its capture when it expires or is dropped
+unfetched; a file handed over counts against ``--capture-held-bytes`` until
+its client removes it, and one its client did not remove is removed
+``--capture-ttl`` seconds after, on a timer (and every one left when the
+server exits). The beacon is the server's lock file as a worker arena's is
+(`vlenvoys.wire.shm`), and its capture files are named after it, so a server
+killed before it could clean up leaves them only until the next `sweep`.
 In Python, `fetch` (`fetch_async` under asyncio, which gathers concurrent
 fetches on one client into such requests) gives a response's values, fetched
-or inline, as the tensors `decode` gives, with ``local=1`` by default where
-the server's address is a loopback one. Any other ``capture_transport`` is a
+or inline, as the tensors `decode` gives, with ``local=1`` where the beacon
+reads (and again without it where the server answers a 400).
+Any other ``capture_transport`` is a
 400 before the request reaches the engine.
 
 ``positions`` counts the sequence as steering does: ``"prompt"`` (default; the
@@ -93,9 +110,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import fcntl
 import json
 import mmap
 import os
+import re
+import secrets
 import struct
 import time
 import uuid
@@ -113,8 +133,9 @@ from ..wire.steering import MAX_POSITIONS, salt_of
 from .fields import CAPTURES_PATH, GENERATING, SteeringError, field_entries
 
 __all__ = [
-    "DTYPES", "HELD_BYTES", "HELD_SECONDS", "MAX_BYTES", "PENDING", "TRANSPORTS", "CaptureError", "CaptureGone",
-    "Captures", "HELD_FOLDER", "Held", "Image", "as_file", "capture_spec", "fetch_body", "transport_of",
+    "BEACON_FILE", "CAPTURE_FILE", "DTYPES", "HELD_BYTES", "HELD_SECONDS", "MAX_BYTES", "PENDING", "TRANSPORTS",
+    "Beacon", "CaptureError", "CaptureGone", "Captures", "HELD_FOLDER", "Held", "Image", "as_file", "capture_spec",
+    "fetch_body", "transport_of",
 ]
 
 #: An entry's keys.
@@ -141,6 +162,11 @@ HELD_BYTES = 2 << 30
 GONE_REMEMBERED = 1 << 16
 #: Where held captures lie as files (`Image`), for a client on this host to map (a fetch with ``local=1``).
 HELD_FOLDER = "/dev/shm"
+#: A server's beacon under `HELD_FOLDER` (`Beacon`), also its lock file: ``vlenvoys-serve-<16 hex>.lock`` (a worker
+#: arena's lock file's form, which `vlenvoys.wire.shm.sweep` knows: a dead server's files are swept).
+BEACON_FILE = re.compile(r"^vlenvoys-(serve-[0-9a-f]{16})\.lock$")
+#: A held capture's file under `HELD_FOLDER`: ``vlenvoys-serve-<its server's 16 hex>-<32 hex>.safetensors``.
+CAPTURE_FILE = re.compile(r"^vlenvoys-(serve-[0-9a-f]{16})-[0-9a-f]{32}\.safetensors$")
 #: safetensors' names of the dtypes values are returned in.
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
@@ -162,6 +188,54 @@ def transport_of(field: Any) -> str:
     return field
 
 
+class Beacon:
+    """A server's file under ``folder`` (`HELD_FOLDER`) that proves a client shares that folder with it.
+
+    Made when the server starts (`Held`), mode 0600, holding a random
+    ``token``, and removed when it exits; each entry of a held capture names
+    it (``beacon``: its ``path`` and ``token``). A client that opens that path
+    and reads that token sees the server's files (the same host's /dev/shm, and
+    the server's user or root): only then does it ask for files (``local=1``).
+    Its name is the server's ``owner`` name, which leads its capture files'
+    (`CAPTURE_FILE`); it is locked (``flock``) for the server's life, as a
+    worker arena's lock file is, so `vlenvoys.wire.shm.sweep` removes a dead
+    (SIGKILLed) server's files.
+
+    Raises:
+        OSError: the file could not be made (no such folder, no room).
+    """
+
+    def __init__(self, folder: str = HELD_FOLDER) -> None:
+        #: The server's name in its files' names, ``serve-<16 hex>``.
+        self.owner = f"serve-{secrets.token_hex(8)}"
+        self.folder = folder
+        self.path = os.path.join(folder, f"vlenvoys-{self.owner}.lock")
+        self.token = secrets.token_hex(16)
+        handle = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.write(handle, self.token.encode())
+        except OSError:
+            os.close(handle)
+            _remove(self.path)
+            raise
+        self._close = weakref.finalize(self, _let_go, handle, self.path)
+
+    @property
+    def prefix(self) -> str:
+        """Where this server's capture files' paths start (a capture's 32 hex digits and ``.safetensors`` follow)."""
+        return os.path.join(self.folder, f"vlenvoys-{self.owner}-")
+
+    def close(self) -> None:
+        """Remove the beacon (its lock let go after)."""
+        self._close()
+
+
+def _let_go(handle: int, path: str) -> None:
+    _remove(path)  # while locked: no sweep takes the server's files before it is gone
+    os.close(handle)
+
+
 class Image:
     """A capture's values laid out as a safetensors file: in a file of its own under `HELD_FOLDER`, mapped,
     where there is room; else in this process's memory.
@@ -177,12 +251,10 @@ class Image:
 
     Args:
         layout: The tensors, in order (larger dtypes first, so each is aligned to its dtype's size).
-        folder: Where the file goes; None, or no room there: in memory.
+        prefix: Where the file's path starts (`Beacon.prefix`); None, or no room there: in memory.
     """
 
-    def __init__(
-        self, layout: dict[str, tuple[torch.dtype, tuple[int, ...]]], folder: str | None = HELD_FOLDER
-    ) -> None:
+    def __init__(self, layout: dict[str, tuple[torch.dtype, tuple[int, ...]]], prefix: str | None = None) -> None:
         names = sorted(layout, key=lambda name: -layout[name][0].itemsize)  # stable: in order within a dtype size
         #: Each tensor's entry in the file's header, offsets counted from the end of the header.
         self.header: dict[str, dict] = {}
@@ -198,7 +270,7 @@ class Image:
         self.start = 8 + len(text)
         #: Bytes of values (the file's, less its header).
         self.size = at
-        self.path, self.buffer = _backing(self.start + at, folder)
+        self.path, self.buffer = _backing(self.start + at, prefix)
         self._removal = None if self.path is None else weakref.finalize(self, _remove, self.path)
         self.view = memoryview(self.buffer)
         self.view[: self.start] = struct.pack("<Q", len(text)) + text
@@ -227,11 +299,11 @@ def _header_text(header: dict) -> bytes:
     return text + b" " * (-len(text) % 8)
 
 
-def _backing(size: int, folder: str | None) -> tuple[str | None, Any]:
-    """``size`` bytes to lay an image in: a new file under ``folder``, mapped, with its pages reserved (so no
-    write into the mapping can fault for want of room); else, on any error, a bytearray."""
-    if folder is not None:
-        path = os.path.join(folder, f"vlenvoys-capture-{uuid.uuid4().hex}.safetensors")
+def _backing(size: int, prefix: str | None) -> tuple[str | None, Any]:
+    """``size`` bytes to lay an image in: a new file whose path starts with ``prefix``, mapped, with its pages
+    reserved (so no write into the mapping can fault for want of room); else, on any error, a bytearray."""
+    if prefix is not None:
+        path = f"{prefix}{uuid.uuid4().hex}.safetensors"
         try:
             handle = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError:
@@ -280,29 +352,45 @@ class Held:
     """Captures held for their one fetch, oldest first: each until fetched, ``seconds`` old, or pushed out by newer
     ones beyond ``most`` bytes of values.
 
-    Each is an `Image` (a file under `HELD_FOLDER` where there is room):
-    dropped, its file goes with it. A file handed to a client on this host
-    (`hand_over`) is the client's to remove; one still there ``seconds``
-    after is removed here (a client that died before it could), as is every
-    one still there when the server exits. Expiry is checked on every `put`,
-    `take` and `hand_over` (no timer: a server no one asks holds what it held).
+    Each is an `Image` (a file under ``folder``, `HELD_FOLDER`, where there is
+    room; the server's `Beacon` there names them): dropped, its file goes with
+    it. A file handed to a client on this host (`hand_over`) is the client's
+    to remove, and counts against ``most`` until it is gone; one still there
+    ``seconds`` after is removed here (a client that died before it could), as
+    is every one still there when the server exits. Expiry runs on a timer of
+    the running event loop (armed by `put` and `hand_over`), and on every
+    `put` and `take`.
     """
 
-    def __init__(self, seconds: float = HELD_SECONDS, most: int = HELD_BYTES) -> None:
+    def __init__(self, seconds: float = HELD_SECONDS, most: int = HELD_BYTES, folder: str | None = HELD_FOLDER) -> None:
         self.seconds = seconds
         self.most = most
         self.held: OrderedDict[str, tuple[float, int, Image]] = OrderedDict()
         self.bytes = 0
         self.gone: OrderedDict[str, str] = OrderedDict()
-        #: Files handed over -> when they are removed if their client has not.
-        self.handed: OrderedDict[str, float] = OrderedDict()
+        #: Files handed over -> (when they are removed if their client has not, their bytes of values).
+        self.handed: OrderedDict[str, tuple[float, int]] = OrderedDict()
+        #: Bytes of values in files handed over and not known to be removed.
+        self.handed_bytes = 0
+        self.timer: asyncio.TimerHandle | None = None
+        self.timer_due = 0.0
         weakref.finalize(self, _remove_all, self.handed)
+        try:
+            self.beacon: Beacon | None = None if folder is None else Beacon(folder)
+        except OSError:  # no such folder, no room: captures are held in memory, and sent
+            self.beacon = None
+
+    @property
+    def prefix(self) -> str | None:
+        """Where held captures' files' paths start (`Image`'s ``prefix``); None: in memory."""
+        return None if self.beacon is None else self.beacon.prefix
 
     def put(self, image: Image) -> str:
         """Hold ``image`` under a new id, which it returns.
 
         Raises:
-            CaptureError: the image alone is more than ``most`` bytes (it is discarded).
+            CaptureError: the image alone is more than ``most`` bytes, or files handed over and not removed yet
+                leave no room for it (it is discarded).
         """
         size = image.size
         if size > self.most:
@@ -313,12 +401,22 @@ class Held:
             )
         now = time.monotonic()
         self._expire(now)
-        while self.held and self.bytes + size > self.most:
+        if self.bytes + self.handed_bytes + size > self.most:
+            self._reclaim()
+        while self.held and self.bytes + self.handed_bytes + size > self.most:
             self._drop(next(iter(self.held)), f"dropped unfetched to make room for newer captures: the server holds "
                        f"at most {self.most} bytes of them (--capture-held-bytes), the oldest go first")
+        if self.bytes + self.handed_bytes + size > self.most:
+            image.discard()
+            raise CaptureError(
+                f"capture: no room for {_amount(size)} of values: {_amount(self.handed_bytes)} of the "
+                f"{_amount(self.most)} this server holds (--capture-held-bytes) lie in files handed to clients on "
+                f"its host that they have not removed yet (removed {self.seconds:g} s after at most, --capture-ttl)"
+            )
         name = uuid.uuid4().hex
         self.held[name] = (now + self.seconds, size, image)
         self.bytes += size
+        self._arm()
         return name
 
     def take(self, name: str) -> Image:
@@ -340,19 +438,62 @@ class Held:
 
     def hand_over(self, name: str) -> tuple[str | None, Image]:
         """`take`, with the capture's file (None where it is in memory) now the client's to map and remove; removed
-        here ``seconds`` from now if it is still there."""
+        here ``seconds`` from now if it is still there, and counted against ``most`` until then."""
         image = self.take(name)
         path = image.handed()
         if path is not None:
-            self.handed[path] = time.monotonic() + self.seconds
+            self.handed[path] = (time.monotonic() + self.seconds, image.size)
+            self.handed_bytes += image.size
+            self._arm()
         return path, image
+
+    def close(self) -> None:
+        """Remove every file held or handed over, and the beacon (the server exits)."""
+        if self.timer is not None:
+            self.timer.cancel()
+        for name in list(self.held):
+            self._drop(name, "the server stopped")
+        _remove_all(self.handed)
+        self.handed.clear()
+        self.handed_bytes = 0
+        if self.beacon is not None:
+            self.beacon.close()
+
+    def _arm(self) -> None:
+        """Ring `_ring` at the next expiry, on the running event loop (none running: expiry waits for a call)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        due = [each[0] for each in (next(iter(self.held.values()), None), next(iter(self.handed.values()), None)) if each]
+        if not due:
+            return
+        if self.timer is not None:
+            if self.timer_due <= min(due):
+                return
+            self.timer.cancel()
+        # A delay, not a time on the loop's clock (uvloop's is not time.monotonic(), which the deadlines are on).
+        self.timer_due = min(due)
+        self.timer = loop.call_later(max(0.0, self.timer_due - time.monotonic()) + 0.01, self._ring)
+
+    def _ring(self) -> None:
+        self.timer = None
+        self._expire(time.monotonic())
+        self._arm()
 
     def _expire(self, now: float) -> None:
         # Held in the order they came, all for the same seconds: the first is the first to expire.
         while self.held and next(iter(self.held.values()))[0] <= now:
             self._drop(next(iter(self.held)), f"expired: not fetched within {self.seconds:g} s (--capture-ttl)")
-        while self.handed and next(iter(self.handed.values())) <= now:
-            _remove(self.handed.popitem(last=False)[0])
+        while self.handed and next(iter(self.handed.values()))[0] <= now:
+            path, (_, size) = self.handed.popitem(last=False)
+            self.handed_bytes -= size
+            _remove(path)
+
+    def _reclaim(self) -> None:
+        """Forget the files handed over that their clients removed (their bytes count no more)."""
+        for path in [path for path in self.handed if not os.path.lexists(path)]:
+            self.handed_bytes -= self.handed.pop(path)[1]
 
     def _drop(self, name: str, why: str, discard: bool = True) -> None:
         _, size, image = self.held.pop(name)
@@ -364,7 +505,7 @@ class Held:
             self.gone.popitem(last=False)
 
 
-def _remove_all(paths: dict[str, float]) -> None:
+def _remove_all(paths: dict[str, Any]) -> None:
     for path in list(paths):
         _remove(path)
 
@@ -579,7 +720,12 @@ class Captures:
                 held = self.held.put(image)
             except CaptureError as error:
                 return 400, _error_body(str(error))
-            answer["capture"] = [{**entry, "id": held, "url": f"{CAPTURES_PATH}/{held}"} for entry, _ in values]
+            # A capture in a file names the server's beacon, by which a client proves it can map the file (`Beacon`).
+            beacon = self.held.beacon if image.path is not None else None
+            seen = {} if beacon is None else {"beacon": {"path": beacon.path, "token": beacon.token}}
+            answer["capture"] = [
+                {**entry, "id": held, "url": f"{CAPTURES_PATH}/{held}", **seen} for entry, _ in values
+            ]
             return status, json.dumps(answer).encode()
         return status, await asyncio.to_thread(_inline, answer, values)
 
@@ -613,7 +759,9 @@ class Captures:
                     )
                     # Copied out of the engine's memory off the event loop (the other requests' streams go on), and
                     # before the next take, which tells the worker it may reuse that memory.
-                    results = await asyncio.to_thread(_values_of_each, packed, batch, collector.head_dims)
+                    results = await asyncio.to_thread(
+                        _values_of_each, packed, batch, collector.head_dims, self.held.prefix
+                    )
                 except Exception as error:  # every request of the batch hears of it; the next batch tries again
                     for future, *_ in batch.values():
                         if not future.done():
@@ -628,9 +776,9 @@ class Captures:
             collector.taking = None
 
 
-def _values_of_each(packed: dict, batch: dict[str, tuple], head_dims: dict) -> dict[str, Any]:
+def _values_of_each(packed: dict, batch: dict[str, tuple], head_dims: dict, prefix: str | None = None) -> dict[str, Any]:
     """`_values` of each request in ``batch`` (capture id -> (future, entries, wanted, completion's tokens or
-    None, held)), None for those not wanted."""
+    None, held)), None for those not wanted; held ones in files whose paths start with ``prefix``."""
     taken = received(packed, joined=False)  # `_values` copies each request's pieces into place: none joined first
     at = {name: index for index, name in enumerate(taken["order"])}
     # No torch.set_num_threads(1) here (it was, for these copies): that setting is the whole process's, not this
@@ -638,7 +786,7 @@ def _values_of_each(packed: dict, batch: dict[str, tuple], head_dims: dict) -> d
     # construction instead (`_copy`: numpy, which runs no intra-op threads): two threads copied a few MiB into
     # new pages 2.5 to 3.5 times slower than one (benchmarks/results/serve-capture-cost-cpu.md).
     return {
-        name: _values(taken, name, at.get(name), head_dims, entries, completed, held) if wanted else None
+        name: _values(taken, name, at.get(name), head_dims, entries, completed, held, prefix) if wanted else None
         for name, (_, entries, wanted, completed, held) in batch.items()
     }
 
@@ -655,7 +803,7 @@ def _inline(answer: dict, values: list[tuple[dict, torch.Tensor]]) -> bytes:
 
 def _values(
     taken: dict, name: str, at: int | None, head_dims: dict, entries: list[dict], completed: int | None,
-    held: bool = False, folder: str | None = HELD_FOLDER,
+    held: bool = False, prefix: str | None = None,
 ) -> tuple[list[tuple[dict, torch.Tensor]], Image | None] | str:
     """Each entry's response entry (less its values) and values, copied out of the engine's blocks, and the
     `Image` they lie in where ``held`` (None otherwise); or why the request has none.
@@ -704,7 +852,7 @@ def _values(
         layout[entry["value"]] = (DTYPES[entry["dtype"]], (len(entry["layers"]), len(chosen), *row))
     # Each entry's values are copied once, from the engine's blocks straight into their place (cast on the way):
     # the held capture's file, or the inline response's tensor.
-    image = Image(layout, folder) if held else None
+    image = Image(layout, prefix) if held else None
     out = []
     for entry, chosen in zip(entries, chosen_of, strict=True):
         dtype, shape = layout[entry["value"]]

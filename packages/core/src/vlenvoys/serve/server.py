@@ -234,10 +234,12 @@ class SteeringMiddleware:
         CAPTURES_PATH?ids=a,b``, several in one safetensors file, each tensor named ``{id}/{value}`` and the
         metadata's ``gone`` a JSON object of the ids not held and why. Each capture is served once.
 
-        With ``local=1`` (a client on this host: the request must come from a loopback address), a capture
-        held in a file is not sent: the metadata's ``files``, a JSON object of id -> path, names its file
+        With ``local=1`` (a client that reads this server's files, which it proves to itself first by the
+        server's beacon, `vlenvoys.serve.capture.Beacon`; the request must come from a loopback address, else a
+        400, after which the client asks again without it), a capture held in a file is not sent: the metadata's ``files``, a JSON object of id -> path, names its file
         (itself a safetensors file of the capture's tensors named by value), which is the client's to map and
-        to remove (removed after ``--capture-ttl`` seconds if still there); the tensors of one held in memory
+        to remove (counted against ``--capture-held-bytes`` until removed, and removed ``--capture-ttl`` seconds
+        on if still there); the tensors of one held in memory
         (no room under `vlenvoys.serve.capture.HELD_FOLDER`) are in the body as above.
 
         Several in one request: each fetch is a round trip through the HTTP stack, which cost served capture
