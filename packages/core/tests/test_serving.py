@@ -194,6 +194,63 @@ def test_a_held_capture_is_taken_once_and_served_as_safetensors():
     held.close()
 
 
+def test_the_client_opens_and_removes_only_the_servers_own_capture_files(tmp_path):
+    """A path the server names is mapped and removed only where it is one of that server's capture files directly
+    under /dev/shm, no link, of the beacon's owner; any other is refused and left where it is."""
+    import os
+
+    from vlenvoys.serve.capture import Held, Image
+    from vlenvoys.serve.client import NotLocal, _held, _here
+
+    held = Held()
+    beacon = {"path": held.beacon.path, "token": held.beacon.token}
+    assert os.stat(held.beacon.path).st_mode & 0o777 == 0o600
+    here = _here([{"url": "/v1/captures/x", "beacon": beacon}], None)
+    assert here is not None and here.owner == held.beacon.owner
+
+    def image() -> Image:
+        made = Image({"layer_output": (torch.float32, (2, 3))}, held.prefix)
+        made.tensors["layer_output"].copy_(torch.arange(6.0).view(2, 3))
+        return made
+
+    good = image()
+    path = good.handed()
+    assert torch.equal(_held(path, here)["layer_output"], torch.arange(6.0).view(2, 3)) and not os.path.exists(path)
+    other = Held()  # another server's file: its owner name is not this beacon's
+    foreign = Image({"layer_output": (torch.float32, (2,))}, other.prefix)
+    link = f"{held.prefix}{'0' * 32}.safetensors"
+    os.symlink(image().path, link)
+    outside = tmp_path / os.path.basename(image().path)
+    outside.write_bytes(b"")
+    for wrong in (foreign.path, link, str(outside), "/etc/passwd"):
+        with pytest.raises(NotLocal, match="left alone"):
+            _held(wrong, here)
+        assert os.path.lexists(wrong), wrong
+    os.unlink(link)
+    foreign.discard()
+    held.close()
+    other.close()
+
+
+def test_a_beacon_not_read_here_is_no_proof_and_local_true_says_so():
+    """A beacon this client cannot open (another host's /dev/shm), or one holding another token: the bytes are
+    fetched (no local=1); with local=True a NotLocal before anything is fetched."""
+    from vlenvoys.serve.capture import Held
+    from vlenvoys.serve.client import NotLocal, _here
+
+    held = Held()
+    for beacon in ({"path": held.beacon.path, "token": "0" * 32},
+                   {"path": "/dev/shm/vlenvoys-serve-0123456789abcdef.lock", "token": held.beacon.token},
+                   {"path": "/tmp/vlenvoys-serve-0123456789abcdef.lock", "token": held.beacon.token}):
+        entries = [{"url": "/v1/captures/x", "beacon": beacon}]
+        assert _here(entries, None) is None
+        with pytest.raises(NotLocal, match="local=True: this client cannot read the server's capture files"):
+            _here(entries, True)
+    assert _here([{"url": "/v1/captures/x", "beacon": {"path": held.beacon.path, "token": held.beacon.token}}],
+                 False) is None
+    held.close()
+
+
 def test_a_killed_servers_capture_files_are_swept():
     """A server SIGKILLed with captures held (and one handed over) leaves its files in /dev/shm; `sweep` (run by
     every engine's workers as they start) tells them by their unlocked beacon and removes them, not a live one's."""

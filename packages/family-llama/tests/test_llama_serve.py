@@ -878,6 +878,80 @@ def test_files_handed_over_count_against_the_cap_until_removed(server, client):
     assert torch.equal(again, got[0])
 
 
+def test_a_beacon_this_client_does_not_read_fetches_the_bytes(server, client, prompts):
+    """Entries whose beacon this client cannot open (as on another host, through a tunnel) or that holds another
+    token: the default fetch asks for the bytes (no local=1), equal to the inline values bit for bit; local=True
+    raises before anything is fetched, so the capture is still there."""
+    import httpx
+    from vlenvoys.capturing import NotLocal, decode, fetch
+
+    capture = [{"value": "layer_output", "layers": [0, 2]}, {"value": "mlp_output", "layers": 1, "positions": "last"}]
+    inline = captured(client, server, prompts[0], capture).model_extra["capture"]
+    for wrong in ({"token": "0" * 32}, {"path": "/dev/shm/vlenvoys-serve-0123456789abcdef.lock"}):
+        entries = [{**entry, "beacon": {**entry["beacon"], **wrong}}
+                   for entry in captured(client, server, prompts[0], capture, "fetch").model_extra["capture"]]
+        requests = []
+        with httpx.Client(timeout=60, event_hooks={"request": [requests.append]}) as http:
+            with pytest.raises(NotLocal, match="local=True: this client cannot read the server's capture files"):
+                fetch(server["url"], entries, api_key=KEY, local=True, client=http)
+            assert not requests, "nothing is fetched"
+            got = fetch(server["url"], entries, api_key=KEY, client=http)
+        assert [request.url.params.get("local") for request in requests] == [None]
+        for entry, tensor in zip(inline, got, strict=True):
+            assert torch.equal(tensor.view(torch.uint8), decode(entry).view(torch.uint8)), entry["value"]
+
+
+def host_address() -> str | None:
+    """An address of this host's other than a loopback one (None where it has none)."""
+    import ipaddress
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("10.255.255.255", 1))  # a route's source address; nothing is sent
+        except OSError:
+            return None
+        address = probe.getsockname()[0]
+    return None if ipaddress.ip_address(address).is_loopback else address
+
+
+def test_a_server_that_refuses_local_is_asked_again_without_it(server, client, prompts):
+    """A client on the server's host whose requests come from another address than a loopback one (as through
+    Docker's ``-p``, where the server sees the bridge's): its beacon reads, it asks ``local=1``, gets a 400 (no
+    capture taken), asks again without it and gets the bytes, equal to the inline values bit for bit; the same
+    client asks no more ``local=1`` of that server, sync or async."""
+    import httpx
+    from vlenvoys.capturing import decode, fetch, fetch_async
+
+    address = host_address()
+    if address is None:
+        pytest.skip("this host has no address but loopback ones")
+    capture = [{"value": "layer_output", "layers": [0, 2]}, {"value": "mlp_output", "layers": 1, "positions": "last"}]
+    inline = captured(client, server, prompts[0], capture).model_extra["capture"]
+    requests = []
+    with httpx.Client(timeout=60, transport=httpx.HTTPTransport(local_address=address),
+                      event_hooks={"request": [requests.append]}) as http:
+        for _ in range(2):
+            got = fetch(server["url"], captured(client, server, prompts[0], capture, "fetch"), api_key=KEY, client=http)
+            for entry, tensor in zip(inline, got, strict=True):
+                assert torch.equal(tensor.view(torch.uint8), decode(entry).view(torch.uint8)), entry["value"]
+    assert [request.url.params.get("local") for request in requests] == ["1", None, None]
+
+    async def gathered():
+        async def note(request):
+            requests.append(request)
+
+        async with httpx.AsyncClient(timeout=60, transport=httpx.AsyncHTTPTransport(local_address=address),
+                                     event_hooks={"request": [note]}) as http:
+            return await fetch_async(server["url"], captured(client, server, prompts[0], capture, "fetch"),
+                                     api_key=KEY, client=http)
+
+    requests.clear()
+    for entry, tensor in zip(inline, asyncio.run(gathered()), strict=True):
+        assert torch.equal(tensor.view(torch.uint8), decode(entry).view(torch.uint8)), entry["value"]
+    assert [request.url.params.get("local") for request in requests] == ["1", None]
+
+
 def test_the_oldest_held_captures_are_dropped_beyond_the_cap(server, client):
     """Four captures of 300 KiB under a cap of 1 MiB: the first is dropped, saying why; the three newer are served."""
     from vlenvoys.capturing import CaptureGone, fetch
