@@ -171,20 +171,121 @@ def test_an_async_http_client_works_after_import_vlenvoys():
 
 
 def test_a_capture_too_large_to_hold_names_sizes_under_a_mib_in_bytes():
-    from vlenvoys.serve.capture import CaptureError, Held
+    from vlenvoys.serve.capture import CaptureError, Held, Image
 
     with pytest.raises(CaptureError, match=r"capture: 4,000 bytes of values, beyond the 1,000 bytes this server holds"):
-        Held(most=1000).put({"layer_output": torch.zeros(1000)})
+        Held(most=1000).put(Image({"layer_output": (torch.float32, (1000,))}))
     with pytest.raises(CaptureError, match=r"capture: 4.0 MiB of values, beyond the 1.0 MiB"):
-        Held(most=2**20).put({"layer_output": torch.zeros(2**20)})
+        Held(most=2**20).put(Image({"layer_output": (torch.float32, (2**20,))}))
 
 
-def test_a_held_capture_is_taken_once_and_serialized_as_safetensors():
+def test_a_held_capture_is_taken_once_and_served_as_safetensors():
     from safetensors.torch import load
-    from vlenvoys.serve.capture import CaptureGone, Held, as_file
+    from vlenvoys.serve.capture import CaptureGone, Held, Image, fetch_body
 
     held = Held()
-    name = held.put({"layer_output": torch.arange(6.0).view(2, 3)})
-    assert torch.equal(load(as_file(held.take(name)))["layer_output"], torch.arange(6.0).view(2, 3))
+    image = Image({"layer_output": (torch.float32, (2, 3))}, held.prefix)
+    image.tensors["layer_output"].copy_(torch.arange(6.0).view(2, 3))
+    name = held.put(image)
+    body = b"".join(bytes(part) for part in fetch_body({name: held.take(name)}, prefixed=False))
+    assert torch.equal(load(body)["layer_output"], torch.arange(6.0).view(2, 3))
     with pytest.raises(CaptureGone, match="fetched already"):
         held.take(name)
+    held.close()
+
+
+def test_the_client_opens_and_removes_only_the_servers_own_capture_files(tmp_path):
+    """A path the server names is mapped and removed only where it is one of that server's capture files directly
+    under /dev/shm, no link, of the beacon's owner; any other is refused and left where it is."""
+    import os
+
+    from vlenvoys.serve.capture import Held, Image
+    from vlenvoys.serve.client import NotLocal, _held, _here
+
+    held = Held()
+    beacon = {"path": held.beacon.path, "token": held.beacon.token}
+    assert os.stat(held.beacon.path).st_mode & 0o777 == 0o600
+    here = _here([{"url": "/v1/captures/x", "beacon": beacon}], None)
+    assert here is not None and here.owner == held.beacon.owner
+
+    def image() -> Image:
+        made = Image({"layer_output": (torch.float32, (2, 3))}, held.prefix)
+        made.tensors["layer_output"].copy_(torch.arange(6.0).view(2, 3))
+        return made
+
+    good = image()
+    path = good.handed()
+    assert torch.equal(_held(path, here)["layer_output"], torch.arange(6.0).view(2, 3)) and not os.path.exists(path)
+    other = Held()  # another server's file: its owner name is not this beacon's
+    foreign = Image({"layer_output": (torch.float32, (2,))}, other.prefix)
+    link = f"{held.prefix}{'0' * 32}.safetensors"
+    os.symlink(image().path, link)
+    outside = tmp_path / os.path.basename(image().path)
+    outside.write_bytes(b"")
+    for wrong in (foreign.path, link, str(outside), "/etc/passwd"):
+        with pytest.raises(NotLocal, match="left alone"):
+            _held(wrong, here)
+        assert os.path.lexists(wrong), wrong
+    os.unlink(link)
+    foreign.discard()
+    held.close()
+    other.close()
+
+
+def test_a_beacon_not_read_here_is_no_proof_and_local_true_says_so():
+    """A beacon this client cannot open (another host's /dev/shm), or one holding another token: the bytes are
+    fetched (no local=1); with local=True a NotLocal before anything is fetched."""
+    from vlenvoys.serve.capture import Held
+    from vlenvoys.serve.client import NotLocal, _here
+
+    held = Held()
+    for beacon in ({"path": held.beacon.path, "token": "0" * 32},
+                   {"path": "/dev/shm/vlenvoys-serve-0123456789abcdef.lock", "token": held.beacon.token},
+                   {"path": "/tmp/vlenvoys-serve-0123456789abcdef.lock", "token": held.beacon.token}):
+        entries = [{"url": "/v1/captures/x", "beacon": beacon}]
+        assert _here(entries, None) is None
+        with pytest.raises(NotLocal, match="local=True: this client cannot read the server's capture files"):
+            _here(entries, True)
+    assert _here([{"url": "/v1/captures/x", "beacon": {"path": held.beacon.path, "token": held.beacon.token}}],
+                 False) is None
+    held.close()
+
+
+def test_a_killed_servers_capture_files_are_swept():
+    """A server SIGKILLed with captures held (and one handed over) leaves its files in /dev/shm; `sweep` (run by
+    every engine's workers as they start) tells them by their unlocked beacon and removes them, not a live one's."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from vlenvoys.serve.capture import Held, Image
+    from vlenvoys.wire.shm import sweep
+
+    code = (
+        "import sys, torch\n"
+        "from vlenvoys.serve.capture import Held, Image\n"
+        "held = Held()\n"
+        "paths = [Image({'v': (torch.float32, (4,))}, held.prefix) for _ in range(2)]\n"
+        "held.put(paths[0]); print(held.beacon.path, paths[0].path, paths[1].handed(), flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    left = process.stdout.readline().split()
+    alive = Held()
+    mine = Image({"v": (torch.float32, (4,))}, alive.prefix)
+    alive.put(mine)
+    try:
+        assert len(left) == 3 and all(os.path.exists(path) for path in left)
+        assert not any(os.path.basename(path) in sweep() for path in left), "a live server's files stay"
+    finally:
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+    assert all(os.path.exists(path) for path in left), "SIGKILL leaves them"
+    swept = sweep()
+    assert {os.path.basename(path) for path in left} <= set(swept)
+    assert not any(os.path.exists(path) for path in left)
+    assert os.path.exists(mine.path) and os.path.exists(alive.beacon.path)
+    alive.close()
+    assert not os.path.exists(mine.path) and not os.path.exists(alive.beacon.path)

@@ -464,6 +464,9 @@ def test_a_trace_draws_no_bar_nor_logs_vllms_info_and_long_calls_draw_one_bar(su
     model.generate("The sun", max_tokens=2)  # nnsight's plain run, outside a block
     vlenvoys.collect(model, [prompt], "layer_output", 0, progress=False)
     vlenvoys.generate(model, [prompt], SamplingParams(max_tokens=2), progress=False)
+    # None, collect's default before it drew bars, is False, as it was then.
+    vlenvoys.collect(model, [prompt, prompt], "layer_output", 0, progress=None)
+    vlenvoys.generate(model, [prompt], SamplingParams(max_tokens=2), progress=None)
     quiet = capfd.readouterr()
     assert "%|" not in quiet.err + quiet.out, quiet.err
     with model.trace(prompt, temperature=0.0, progress=True):

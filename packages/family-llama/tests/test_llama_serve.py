@@ -349,6 +349,16 @@ def test_serve_without_a_model_serves_the_built_in_one():
         assert parsed(named).model == "some/checkpoint" and not parsed(named).served_model_name
 
 
+def test_serve_with_a_config_file_naming_a_model_serves_that_one(tmp_path):
+    """A model named by ``--config`` (vLLM's YAML of arguments) is the one served, not the built-in one."""
+    from vlenvoys.serve.server import parsed
+
+    config = tmp_path / "serve.yaml"
+    config.write_text("model: some/checkpoint\nport: 8123\n")
+    args = parsed(["--config", str(config)])
+    assert (args.model, args.port) == ("some/checkpoint", 8123) and not args.served_model_name
+
+
 def test_the_openapi_document_describes_steering_and_capture(server):
     """/openapi.json (and /docs) show the request fields the middleware serves, with the keys it takes (#49)."""
     import httpx
@@ -624,9 +634,11 @@ def captured(client, server, prompt, capture, transport=None, **extra):
                                      extra_body=body)
 
 
+@pytest.mark.parametrize("local", [None, False], ids=["local", "http"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fetched_values_equal_the_inline_ones_bit_for_bit(server, client, prompts, dtype):
-    """The prompt's, the decode steps' and listed positions' values, fetched as safetensors, equal the same
+def test_fetched_values_equal_the_inline_ones_bit_for_bit(server, client, prompts, dtype, local):
+    """The prompt's, the decode steps' and listed positions' values, fetched as safetensors (through HTTP, or as
+    the capture's file, which a client on the server's host maps: the default at 127.0.0.1), equal the same
     request's inline base64 ones bit for bit; the entries say the same but for ``data`` (inline) and ``id``/``url``."""
     from vlenvoys.capturing import decode, fetch
 
@@ -640,10 +652,12 @@ def test_fetched_values_equal_the_inline_ones_bit_for_bit(server, client, prompt
         entries, held = inline.model_extra["capture"], fetched.model_extra["capture"]
         assert all("data" not in entry and entry["url"] == f"/v1/captures/{entry['id']}" for entry in held)
         assert len({entry["id"] for entry in held}) == 1, "a response's entries are fetched together"
+        assert len({json.dumps(entry["beacon"]) for entry in held}) == 1, "each names the server's beacon"
         assert [{**entry, "data": None} for entry in entries] == [
-            {key: value for key, value in entry.items() if key not in ("id", "url")} | {"data": None} for entry in held
+            {key: value for key, value in entry.items() if key not in ("id", "url", "beacon")} | {"data": None}
+            for entry in held
         ]
-        got = fetch(f"{server['url']}/v1", fetched, api_key=KEY)
+        got = fetch(f"{server['url']}/v1", fetched, api_key=KEY, local=local)
         assert len(got) == 3
         for entry, tensor in zip(entries, got, strict=True):
             want = decode(entry)
@@ -768,6 +782,174 @@ def test_an_unfetched_capture_expires_after_the_ttl(server, client):
     with pytest.raises(CaptureGone, match=f"expired: not fetched within {HELD_SECONDS} s"):
         fetch(server["url"], late, api_key=KEY)
     assert torch.equal(tensor, fetch(server["url"], captured(client, server, "The cat", capture), api_key=KEY)[0])
+
+
+def held_files() -> set[str]:
+    """The files of captures held under /dev/shm (`vlenvoys.serve.capture.Image`), of every server on this host."""
+    import glob
+
+    return set(glob.glob("/dev/shm/vlenvoys-serve-*-*.safetensors"))
+
+
+def test_a_local_fetch_hands_over_the_captures_file_and_none_is_left_behind(server, client, prompts):
+    """Raw HTTP with ``local=1``: the answer names the capture's file under /dev/shm (a safetensors file of its
+    values, bit for bit the inline ones) and carries no values; the client removes it (`fetch` does). A capture
+    never fetched, and a file handed over that its client never removed, are removed ``--capture-ttl`` seconds on;
+    a bad ``local`` is a 400, and a fetch of a capture gone a 404, as without it."""
+    import json
+    import struct
+    import time
+
+    import httpx
+    from safetensors.torch import load, load_file
+    from vlenvoys.capturing import CaptureGone, decode, fetch
+
+    capture = [{"value": "layer_output", "layers": [0, 2]}, {"value": "mlp_output", "layers": 1, "positions": "last"}]
+    url, headers = f"{server['url']}/v1/captures", {"Authorization": f"Bearer {KEY}"}
+
+    def metadata(content: bytes) -> dict:
+        (size,) = struct.unpack("<Q", content[:8])
+        return json.loads(content[8 : 8 + size]).get("__metadata__", {})
+
+    before = held_files()
+    answers = [captured(client, server, ids, capture, "fetch") for ids in prompts[:3]]
+    inline = captured(client, server, prompts[0], capture).model_extra["capture"]
+    files = held_files() - before
+    assert len(files) == 3, "each held capture is a file of its own"
+    name = answers[0].model_extra["capture"][0]["id"]
+    for query in ("2", "yes"):
+        refused = httpx.get(f"{url}/{name}", params={"local": query}, headers=headers, timeout=60)
+        assert refused.status_code == 400 and "local: expected 0 or 1" in refused.json()["error"]["message"]
+    handed = httpx.get(f"{url}/{name}", params={"local": "1"}, headers=headers, timeout=60)
+    assert handed.status_code == 200 and load(handed.content) == {}, "a file handed over carries no values here"
+    path = json.loads(metadata(handed.content)["files"])[name]
+    assert path in files and os.path.exists(path)
+    for entry in inline:
+        assert torch.equal(load_file(path)[entry["value"]].view(torch.uint8), decode(entry).view(torch.uint8))
+    os.unlink(path)  # the client's to remove
+    gone = httpx.get(f"{url}/{name}", params={"local": "1"}, headers=headers, timeout=60)
+    assert gone.status_code == 404 and "fetched already" in gone.json()["error"]["message"]
+    second = answers[1].model_extra["capture"][0]["id"]
+    together = httpx.get(url, params={"ids": f"{second},0123abcd", "local": "1"}, headers=headers, timeout=60)
+    assert together.status_code == 200 and load(together.content) == {}
+    kept = json.loads(metadata(together.content)["files"])[second]
+    assert list(json.loads(metadata(together.content)["gone"])) == ["0123abcd"]
+    # Neither removed by a client nor fetched: both go once --capture-ttl seconds have passed, on the server's
+    # timer (no request in between), and the fetch of the one never fetched says it expired.
+    assert os.path.exists(kept) and (files - {path, kept}) <= held_files()
+    time.sleep(HELD_SECONDS + 0.5)
+    assert not (files & held_files()), "removed on the server's timer, with no request since"
+    with pytest.raises(CaptureGone, match="expired"):
+        fetch(server["url"], answers[2], api_key=KEY)
+    assert not (files & held_files()), "no file is left behind"
+
+
+def test_files_handed_over_count_against_the_cap_until_removed(server, client):
+    """A file handed over (raw ``local=1``) and not removed by its client counts against --capture-held-bytes: with
+    it, a fourth capture of 300 KiB drops the oldest held one; with three, a new one finds no room (a 400 saying
+    why). Removed by their client, they count no more."""
+    import struct
+
+    import httpx
+    from vlenvoys.capturing import CaptureGone, fetch
+
+    url, headers = f"{server['url']}/v1/captures", {"Authorization": f"Bearer {KEY}"}
+
+    def handed() -> str:
+        name = captured(client, server, "The cat", BIG, "fetch").model_extra["capture"][0]["id"]
+        answer = httpx.get(f"{url}/{name}", params={"local": "1"}, headers=headers, timeout=60)
+        (size,) = struct.unpack("<Q", answer.content[:8])
+        return json.loads(json.loads(answer.content[8 : 8 + size])["__metadata__"]["files"])[name]
+
+    first = handed()
+    answers = [captured(client, server, "The cat", BIG, "fetch") for _ in range(3)]
+    with pytest.raises(CaptureGone, match="dropped unfetched to make room for newer captures"):
+        fetch(server["url"], answers[0], api_key=KEY)
+    os.unlink(first)  # its client's removal: the next capture finds room, none dropped
+    answers.append(captured(client, server, "The cat", BIG, "fetch"))
+    got = [fetch(server["url"], answer, api_key=KEY)[0] for answer in answers[1:]]
+    assert all(list(tensor.shape) == [3, 200, 128] and torch.equal(tensor, got[0]) for tensor in got)
+    files = [handed() for _ in range(3)]
+    with pytest.raises(Exception, match="files handed to clients on its host that they have not removed yet"):
+        captured(client, server, "The cat", BIG, "fetch")
+    for path in files:
+        os.unlink(path)
+    (again,) = fetch(server["url"], captured(client, server, "The cat", BIG, "fetch"), api_key=KEY)
+    assert torch.equal(again, got[0])
+
+
+def test_a_beacon_this_client_does_not_read_fetches_the_bytes(server, client, prompts):
+    """Entries whose beacon this client cannot open (as on another host, through a tunnel) or that holds another
+    token: the default fetch asks for the bytes (no local=1), equal to the inline values bit for bit; local=True
+    raises before anything is fetched, so the capture is still there."""
+    import httpx
+    from vlenvoys.capturing import NotLocal, decode, fetch
+
+    capture = [{"value": "layer_output", "layers": [0, 2]}, {"value": "mlp_output", "layers": 1, "positions": "last"}]
+    inline = captured(client, server, prompts[0], capture).model_extra["capture"]
+    for wrong in ({"token": "0" * 32}, {"path": "/dev/shm/vlenvoys-serve-0123456789abcdef.lock"}):
+        entries = [{**entry, "beacon": {**entry["beacon"], **wrong}}
+                   for entry in captured(client, server, prompts[0], capture, "fetch").model_extra["capture"]]
+        requests = []
+        with httpx.Client(timeout=60, event_hooks={"request": [requests.append]}) as http:
+            with pytest.raises(NotLocal, match="local=True: this client cannot read the server's capture files"):
+                fetch(server["url"], entries, api_key=KEY, local=True, client=http)
+            assert not requests, "nothing is fetched"
+            got = fetch(server["url"], entries, api_key=KEY, client=http)
+        assert [request.url.params.get("local") for request in requests] == [None]
+        for entry, tensor in zip(inline, got, strict=True):
+            assert torch.equal(tensor.view(torch.uint8), decode(entry).view(torch.uint8)), entry["value"]
+
+
+def host_address() -> str | None:
+    """An address of this host's other than a loopback one (None where it has none)."""
+    import ipaddress
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("10.255.255.255", 1))  # a route's source address; nothing is sent
+        except OSError:
+            return None
+        address = probe.getsockname()[0]
+    return None if ipaddress.ip_address(address).is_loopback else address
+
+
+def test_a_server_that_refuses_local_is_asked_again_without_it(server, client, prompts):
+    """A client on the server's host whose requests come from another address than a loopback one (as through
+    Docker's ``-p``, where the server sees the bridge's): its beacon reads, it asks ``local=1``, gets a 400 (no
+    capture taken), asks again without it and gets the bytes, equal to the inline values bit for bit; the same
+    client asks no more ``local=1`` of that server, sync or async."""
+    import httpx
+    from vlenvoys.capturing import decode, fetch, fetch_async
+
+    address = host_address()
+    if address is None:
+        pytest.skip("this host has no address but loopback ones")
+    capture = [{"value": "layer_output", "layers": [0, 2]}, {"value": "mlp_output", "layers": 1, "positions": "last"}]
+    inline = captured(client, server, prompts[0], capture).model_extra["capture"]
+    requests = []
+    with httpx.Client(timeout=60, transport=httpx.HTTPTransport(local_address=address),
+                      event_hooks={"request": [requests.append]}) as http:
+        for _ in range(2):
+            got = fetch(server["url"], captured(client, server, prompts[0], capture, "fetch"), api_key=KEY, client=http)
+            for entry, tensor in zip(inline, got, strict=True):
+                assert torch.equal(tensor.view(torch.uint8), decode(entry).view(torch.uint8)), entry["value"]
+    assert [request.url.params.get("local") for request in requests] == ["1", None, None]
+
+    async def gathered():
+        async def note(request):
+            requests.append(request)
+
+        async with httpx.AsyncClient(timeout=60, transport=httpx.AsyncHTTPTransport(local_address=address),
+                                     event_hooks={"request": [note]}) as http:
+            return await fetch_async(server["url"], captured(client, server, prompts[0], capture, "fetch"),
+                                     api_key=KEY, client=http)
+
+    requests.clear()
+    for entry, tensor in zip(inline, asyncio.run(gathered()), strict=True):
+        assert torch.equal(tensor.view(torch.uint8), decode(entry).view(torch.uint8)), entry["value"]
+    assert [request.url.params.get("local") for request in requests] == ["1", None]
 
 
 def test_the_oldest_held_captures_are_dropped_beyond_the_cap(server, client):

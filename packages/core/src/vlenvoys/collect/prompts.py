@@ -59,7 +59,7 @@ def collect(
     layers: int | Sequence[int],
     *,
     batch_size: int | None = None,
-    progress: bool | Callable[[int], Any] = True,
+    progress: bool | Callable[[int], Any] | None = True,
 ) -> dict[str, list[torch.Tensor]]:
     """Read block values of every prompt, with one block installed on the engine.
 
@@ -90,7 +90,7 @@ def collect(
             come back whatever the number in flight, so more holds no more
             memory.
         progress: Show a progress bar (tqdm's, prompts finished; on by
-            default, ``False`` for none). A callable, called with the number of prompts finished
+            default, ``False`` or None for none). A callable, called with the number of prompts finished
             after each engine step that finished some, is still taken, with a
             DeprecationWarning.
 
@@ -124,6 +124,8 @@ def collect(
         raise TypeError(f"batch_size must be an int or None, got {batch_size!r}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    if progress is None:  # the default before progress bars (#49): no bar, as then
+        progress = False
     if not isinstance(progress, bool) and callable(progress):
         warnings.warn(
             "collect(progress=callable) is deprecated: pass progress=True for a progress bar",

@@ -22,12 +22,13 @@ from ..values.reads import located
 __all__ = ["new_name", "received", "split", "unread"]
 
 
-def received(taken: dict[str, Any], maps: dict | None = None) -> dict[str, Any]:
+def received(taken: dict[str, Any], maps: dict | None = None, joined: bool = True) -> dict[str, Any]:
     """Client side: a take's answer (`vlenvoys.worker.collector.take`) with each request's rows as tensors (``{"order", "missing", "prompts", "values":
-    {key: [rows of each id in order]}}``; ``maps`` and the errors: `vlenvoys.engine.handover.received`)."""
+    {key: [rows of each id in order]}}``; ``maps``, ``joined`` (False: each request's rows as a list of pieces)
+    and the errors: `vlenvoys.engine.handover.received`)."""
     return {
         "order": taken["order"], "missing": taken["missing"], "prompts": taken.get("prompts", {}),
-        "values": handover.received(taken, maps),
+        "values": handover.received(taken, maps, joined),
     }
 
 

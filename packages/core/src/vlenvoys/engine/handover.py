@@ -56,8 +56,15 @@ def _mapped(path: str) -> torch.Tensor:
     return torch.frombuffer(view, dtype=torch.uint8)
 
 
-def received(handed: dict[str, Any], maps: dict[str, torch.Tensor] | None = None) -> dict[str, list[torch.Tensor]]:
+def received(
+    handed: dict[str, Any], maps: dict[str, torch.Tensor] | None = None, joined: bool = True
+) -> dict[str, list[Any]]:
     """Client side: each request's rows (``[rows, *row shape]``), per value key, from `Arena.handover`.
+
+    Rows a request has in several pieces (chunks, steps) are joined into one
+    tensor (a copy); with ``joined`` False each request's are the list of its
+    pieces, in order, each viewing the engine's memory, for a caller that
+    copies them into a place of its own anyway.
 
     ``maps`` (path -> mapping) lets several handovers share one mapping of a
     file, and one descriptor: pass the same dict for the handovers of one run
@@ -81,7 +88,7 @@ def received(handed: dict[str, Any], maps: dict[str, torch.Tensor] | None = None
                 if path not in maps:
                     maps[path] = _mapped(path)
                 parts.append(maps[path][offset : offset + count * each].view(dtype).view(count, *shape))
-            out[key].append(parts[0] if len(parts) == 1 else torch.cat(parts))
+            out[key].append(parts if not joined else parts[0] if len(parts) == 1 else torch.cat(parts))
     return out
 
 

@@ -16,7 +16,6 @@ A request's ``steering`` is `vlenvoys.serve.steering`'s, its ``capture`` `vlenvo
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
 from collections.abc import Sequence
@@ -32,7 +31,7 @@ from ..weights import smollm2_path
 from ..wire.requests import COLLECT_ID_KEY, COLLECT_KEY, STEER_KEY
 from ..wire.shm import engine_named, sweep
 from ..wire.steering import salt_of
-from .capture import HELD_BYTES, HELD_SECONDS, PENDING, CaptureGone, Captures, Held, as_file, transport_of
+from .capture import HELD_BYTES, HELD_SECONDS, PENDING, CaptureGone, Captures, Held, fetch_body, transport_of
 from .fields import CAPTURES_PATH, FETCH_TOGETHER, GENERATING, VECTORS_PATH, SteeringError, document
 from .steering import VECTORS, rewritten
 
@@ -150,10 +149,8 @@ class SteeringMiddleware:
         if path == VECTORS_PATH and scope["method"] == "GET":
             listed = [{"name": name, "norm": float(vector.norm())} for name, vector in sorted(self.vectors.named.items())]
             return await _json(200, {"object": "list", "data": listed, "hidden_size": self.shape[0]})(scope, receive, send)
-        if fetching and scope["method"] == "GET" and path == CAPTURES_PATH:
-            return await (await self._fetched_together(scope))(scope, receive, send)
         if fetching and scope["method"] == "GET":
-            return await (await self._fetched(path.removeprefix(CAPTURES_PATH + "/")))(scope, receive, send)
+            return await self._fetched(scope, path.removeprefix(CAPTURES_PATH).removeprefix("/"))(scope, receive, send)
         body, disconnected = b"", False
         while True:
             message = await receive()
@@ -231,40 +228,59 @@ class SteeringMiddleware:
         await send({**start, "status": status, "headers": [*headers, (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
-    async def _fetched(self, name: str) -> Any:
-        """A held capture's values as safetensors bytes, once (`vlenvoys.serve.capture.Held.take`); else a 404 saying why."""
-        from starlette.responses import Response
+    def _fetched(self, scope: dict, name: str) -> Any:
+        """The answer to a fetch of held captures (`vlenvoys.serve.capture.Held`): ``GET CAPTURES_PATH/{id}``, one
+        capture as a safetensors file of its tensors named by value (or a 404 saying why it is not held), or ``GET
+        CAPTURES_PATH?ids=a,b``, several in one safetensors file, each tensor named ``{id}/{value}`` and the
+        metadata's ``gone`` a JSON object of the ids not held and why. Each capture is served once.
 
-        try:
-            tensors = self.captures.held.take(name)
-        except CaptureGone as error:
-            return _error(str(error), "id", 404)
-        # Serialized off the event loop: a capture may be tens of MiB, and other requests stream meanwhile.
-        return Response(await asyncio.to_thread(as_file, tensors), media_type="application/octet-stream")
+        With ``local=1`` (a client that reads this server's files, which it proves to itself first by the
+        server's beacon, `vlenvoys.serve.capture.Beacon`; the request must come from a loopback address, else a
+        400, after which the client asks again without it), a capture held in a file is not sent: the metadata's ``files``, a JSON object of id -> path, names its file
+        (itself a safetensors file of the capture's tensors named by value), which is the client's to map and
+        to remove (counted against ``--capture-held-bytes`` until removed, and removed ``--capture-ttl`` seconds
+        on if still there); the tensors of one held in memory
+        (no room under `vlenvoys.serve.capture.HELD_FOLDER`) are in the body as above.
 
-    async def _fetched_together(self, scope: dict) -> Any:
-        """Several held captures in one safetensors file (``GET CAPTURES_PATH?ids=a,b``): each tensor named
-        ``{id}/{value}``, and the metadata's ``gone`` a JSON object of the ids not held and why.
-
-        One request for many: each fetch is a round trip through the HTTP stack, which cost served
-        capture more than its values did (`vlenvoys.serve.client.fetch_async` gathers concurrent fetches).
+        Several in one request: each fetch is a round trip through the HTTP stack, which cost served capture
+        more than its values did (`vlenvoys.serve.client.fetch_async` gathers concurrent fetches). The body is
+        sent as the held bytes lie, no file built (`vlenvoys.serve.capture.fetch_body`).
         """
-        from starlette.responses import Response
-
-        ids = [name for field in parse_qs(scope.get("query_string", b"").decode("latin-1")).get("ids", [])
-               for name in field.split(",") if name]
-        if not ids or len(ids) > FETCH_TOGETHER:
-            return _error(f"ids: expected 1 to {FETCH_TOGETHER} capture ids, comma-separated, got {len(ids)}", "ids")
-        tensors, gone = {}, {}
-        for name in dict.fromkeys(ids):
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        local = query.get("local", ["0"])[-1]
+        if local not in ("0", "1"):
+            return _error(f"local: expected 0 or 1, got {local!r}", "local")
+        local = local == "1"
+        if local and not _loopback(scope):
+            return _error("local=1 hands over a file on the server's host: it serves a client there, on a loopback "
+                          "address; fetch without it", "local")
+        together = not name
+        if together:
+            ids = [each for field in query.get("ids", []) for each in field.split(",") if each]
+            if not ids or len(ids) > FETCH_TOGETHER:
+                return _error(
+                    f"ids: expected 1 to {FETCH_TOGETHER} capture ids, comma-separated, got {len(ids)}", "ids"
+                )
+        else:
+            ids = [name]
+        held = self.captures.held
+        images, gone, files = {}, {}, {}
+        for each in dict.fromkeys(ids):
             try:
-                held = self.captures.held.take(name)
+                path, image = held.hand_over(each) if local else (None, held.take(each))
             except CaptureGone as error:
-                gone[name] = str(error)
+                if not together:
+                    return _error(str(error), "id", 404)
+                gone[each] = str(error)
                 continue
-            tensors.update({f"{name}/{value}": tensor for value, tensor in held.items()})
-        body = await asyncio.to_thread(as_file, tensors, {"gone": json.dumps(gone)})
-        return Response(body, media_type="application/octet-stream")
+            if path is not None:
+                files[each] = path
+            else:
+                images[each] = image
+        metadata = {"gone": json.dumps(gone)} if together else None
+        if local:
+            metadata = {**(metadata or {}), "files": json.dumps(files)}
+        return _parts_response(fetch_body(images, metadata, prefixed=together))
 
     def _register(self, body: bytes) -> Any:
         try:
@@ -275,6 +291,41 @@ class SteeringMiddleware:
             raise SteeringError("expected a JSON object {name, vector}", "name")
         vector = self.vectors.add(parsed["name"], parsed["vector"], self.shape[0])
         return _json(200, {"object": "steering.vector", "name": parsed["name"], "norm": float(vector.norm())})
+
+
+def _loopback(scope: dict) -> bool:
+    """Whether the request came from this host: a loopback address, or a Unix socket (no address)."""
+    import ipaddress
+
+    client = scope.get("client")
+    if not client:
+        return True
+    try:
+        return ipaddress.ip_address(client[0]).is_loopback
+    except ValueError:
+        return False
+
+
+#: The most bytes a fetch answer hands the server's transport at once (it waits for room before the next).
+SENT_AT_ONCE = 4 << 20
+
+
+def _parts_response(parts: list) -> Any:
+    """An ASGI app answering ``parts`` (bytes-likes) as one ``application/octet-stream`` body, sent as they lie
+    in pieces of at most `SENT_AT_ONCE` bytes: no bytes object of the whole body is built."""
+    length = sum(len(part) for part in parts)
+
+    async def answer(scope: dict, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"application/octet-stream"), (b"content-length", str(length).encode()),
+        ]})
+        pieces = [part[at : at + SENT_AT_ONCE] for part in parts for at in range(0, len(part), SENT_AT_ONCE)]
+        for number, piece in enumerate(pieces):
+            await send({"type": "http.response.body", "body": piece, "more_body": number < len(pieces) - 1})
+        if not pieces:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    return answer
 
 
 def _json(status: int, content: dict) -> Any:
@@ -332,8 +383,13 @@ def parsed(argv: Sequence[str]) -> Any:
     ``--served-model-name`` gives one.
     """
     argv = list(argv)
-    args = parser().parse_args(argv)
-    named = getattr(args, "model_tag", None) or any(each == "--model" or each.startswith("--model=") for each in argv)
+    made = parser()
+    args = made.parse_args(argv)
+    # A model named on the command line, or by a --config file (whose keys vLLM's parser reads, not argv): either
+    # way args.model is not the parser's default then; argv is scanned too, for one that names the default itself.
+    named = getattr(args, "model_tag", None) or args.model != made.get_default("model") or any(
+        each == "--model" or each.startswith("--model=") for each in argv
+    )
     if not named:
         args.model = str(smollm2_path())
         if not args.served_model_name:

@@ -88,7 +88,7 @@ def generate(
     sampling_params: Any = None,
     *,
     steering: Steering | Sequence[Steering | None] | None = None,
-    progress: bool = True,
+    progress: bool | None = True,
     use_tqdm: bool | Callable | None = None,
 ) -> list[Any]:
     """Generate from ``prompts`` with each request's own steering; vLLM's ``LLM.generate`` otherwise.
@@ -101,7 +101,7 @@ def generate(
         steering: One `Steering` for every request, one per prompt (None:
             that request is not steered), or None.
         progress: Show vLLM's progress bar of the requests (on by default, as for `vlenvoys.collect`;
-            a trace draws none unless asked). ``False`` for none.
+            a trace draws none unless asked). ``False`` or None for none.
         use_tqdm: Deprecated (a DeprecationWarning): vLLM's own argument, which
             this function showed by default; when given, it is passed to vLLM as
             it is, over ``progress``.
@@ -129,6 +129,8 @@ def generate(
     from vllm.inputs import TokensPrompt
 
     check_engine(model)
+    if progress is None:  # as collect's: None, no bar
+        progress = False
     if not isinstance(progress, bool):
         raise TypeError(f"progress must be True or False (vLLM's progress bars), got {progress!r}")
     if use_tqdm is None:

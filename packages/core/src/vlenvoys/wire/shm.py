@@ -70,9 +70,12 @@ ALIGN = 64
 #: A trace's saves in a chunk start with this many bytes: a flag (the first byte), then padding to `ALIGN`.
 SAVES_HEADER = ALIGN
 #: A worker arena's lock file, ``vlenvoys-rows-<token>.lock``; its chunks are ``vlenvoys-rows-<token>-*.rows``.
-LOCK_FILE = re.compile(r"^vlenvoys-(rows-[0-9a-f]+)\.lock$")
-#: A chunk file of a worker arena (`sweep` removes those whose arena holds no lock file).
-CHUNK_FILE = re.compile(r"^vlenvoys-(rows-[0-9a-f]+)-.*\.rows$")
+#: A ``vlenvoys serve``'s, ``vlenvoys-serve-<token>.lock`` (its beacon, `vlenvoys.serve.capture.Beacon`); its
+#: held captures are ``vlenvoys-serve-<token>-*.safetensors``.
+LOCK_FILE = re.compile(r"^vlenvoys-((?:rows|serve)-[0-9a-f]+)\.lock$")
+#: A chunk file of a worker arena, or a capture file of a server (`sweep` removes those whose owner holds no lock
+#: file).
+CHUNK_FILE = re.compile(r"^vlenvoys-((?:rows|serve)-[0-9a-f]+)-.*\.(?:rows|safetensors)$")
 
 
 def row_bytes(shape: Sequence[int], dtype: str | torch.dtype) -> int:
