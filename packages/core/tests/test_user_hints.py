@@ -110,8 +110,8 @@ def test_a_trace_steps_through_its_generation_only_through_the_tracer():
     """))
 
 
-def test_raw_output_reads_are_a_blocks_output_not_a_sublayers():
-    from vlenvoys.engine.traces import raw_output_reads
+def test_raw_reads_are_a_blocks_output_and_inputs_not_a_sublayers():
+    from vlenvoys.engine.traces import raw_reads
 
     block = with_block("""
         with model.trace(prompt):
@@ -119,6 +119,11 @@ def test_raw_output_reads_are_a_blocks_output_not_a_sublayers():
             mlp = model.layers[3].mlp.output.save()
             own = model.model.h[-1].output
             model.layers[0].output = hidden
+            positions = model.layers[1].input.save()
+            everything = model.layers[1].inputs.save()
+            attention = model.layers[1].self_attn.input.save()
     """)
-    assert [each.lineno for each in raw_output_reads(block, {"layers", "h"})] == [3, 5, 6]
-    assert raw_output_reads(block, {"blocks"}) == []
+    reads = raw_reads(block, {"layers", "h"})
+    assert [(each.lineno, each.attr) for each in reads] == [(3, "output"), (5, "output"), (6, "output"), (7, "input"),
+                                                            (8, "inputs")]
+    assert raw_reads(block, {"blocks"}) == []

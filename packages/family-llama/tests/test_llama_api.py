@@ -437,6 +437,21 @@ def test_a_blocks_raw_output_warns_once_where_it_is_read_and_stays_readable(subj
 
 
 @on_tiny_llama
+def test_a_blocks_raw_input_warns_that_it_is_vllms_first_argument_and_points_at_layer_input(subject):
+    """vLLM's Llama layer takes (positions, hidden_states, residual): a raw .input is the positions (#49 item 5)."""
+    model, prompt = subject.model, subject.prompts[1]
+    with pytest.warns(vlenvoys.RawOutputWarning, match=r"the first argument, positions.*\.layer_input"):
+        with model.trace(prompt, temperature=0.0):
+            positions = model.layers[2].input.save()
+            stream = model.layers[2].layer_input.save()
+    assert positions.tolist() == list(range(len(prompt))), "vLLM's first argument: the positions"
+    assert stream.shape == (1, len(prompt), subject.hidden_size)
+    with pytest.warns(vlenvoys.RawOutputWarning, match=r"every argument"):
+        with model.trace(prompt, temperature=0.0):
+            model.layers[2].inputs.save()
+
+
+@on_tiny_llama
 def test_a_misspelt_value_name_says_the_standard_name_it_is_close_to(subject):
     model, prompt = subject.model, subject.prompts[0]
     with pytest.raises(AttributeError, match=r"layer_ouput.*did you mean 'layer_output'\?"):

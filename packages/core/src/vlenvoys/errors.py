@@ -156,7 +156,9 @@ class Preempted(RuntimeError):
 
 
 class RawOutputWarning(UserWarning):
-    """A trace reads a decoder block's raw ``.output`` (``model.layers[i].output``), which on vLLM is not the stream.
+    """A trace reads a decoder block's raw ``.output`` (``model.layers[i].output``) or ``.input``, which on vLLM
+    are not the stream (a raw ``.input`` is the first argument vLLM passes the layer: on most families the
+    positions).
 
     On transformers ``output[0]`` of a decoder layer is the residual stream
     leaving it, ``[batch, tokens, hidden]``; vLLM's decoder layers return their

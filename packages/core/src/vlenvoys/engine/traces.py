@@ -19,6 +19,7 @@ only the last sublayer's output), not transformers' ``(stream, ...)``.
 from __future__ import annotations
 
 import ast
+import inspect
 import warnings
 from types import CodeType
 from typing import Any
@@ -28,8 +29,10 @@ from nnsight.modeling.vllm.tracer import VLLMTracer
 from ..errors import RawOutputWarning
 from ..values.envoys import FusedLayer
 
-__all__ = ["GENERATION_LENGTH", "Generation", "Trace", "raw_output_reads", "steps_through"]
+__all__ = ["GENERATION_LENGTH", "RAW", "Generation", "Trace", "raw_reads", "steps_through"]
 
+#: A block's raw values as nnsight names them: what its module returns, its first argument, all its arguments.
+RAW = ("output", "input", "inputs")
 #: The ``SamplingParams`` fields that set a generation's length: a trace or invoke naming one keeps its length.
 GENERATION_LENGTH = frozenset({"max_tokens", "min_tokens"})
 
@@ -85,8 +88,9 @@ def steps_through(node: ast.AST | None) -> bool:
     return False
 
 
-def raw_output_reads(node: ast.AST | None, blocks: set[str]) -> list[ast.Attribute]:
-    """The places in a ``with`` block that read or write ``<...>.<blocks>[i].output``, in source order.
+def raw_reads(node: ast.AST | None, blocks: set[str]) -> list[ast.Attribute]:
+    """The places in a ``with`` block that read or write ``<...>.<blocks>[i].output`` (or ``.input``,
+    ``.inputs``: `RAW`), in source order.
 
     ``blocks`` are the names the model's list of blocks goes by (``layers``,
     and vLLM's own, ``h`` for GPT-2). A block reached otherwise (``for layer in
@@ -98,7 +102,7 @@ def raw_output_reads(node: ast.AST | None, blocks: set[str]) -> list[ast.Attribu
         each
         for each in ast.walk(node)
         if isinstance(each, ast.Attribute)
-        and each.attr == "output"
+        and each.attr in RAW
         and isinstance(each.value, ast.Subscript)
         and isinstance(each.value.value, ast.Attribute)
         and each.value.value.attr in blocks
@@ -107,7 +111,7 @@ def raw_output_reads(node: ast.AST | None, blocks: set[str]) -> list[ast.Attribu
 
 
 def warn_raw_output(tracer: Any) -> None:
-    """`RawOutputWarning` at the first place ``tracer``'s block reads a block's raw ``.output``.
+    """`RawOutputWarning` at the first place ``tracer``'s block reads a block's raw ``.output`` or ``.input``.
 
     Issued as if from that line of the user's file (``warnings.warn_explicit``
     with its module's registry), so Python's default filter shows it once
@@ -117,12 +121,13 @@ def warn_raw_output(tracer: Any) -> None:
     layers = getattr(model, "layers", None)
     if layers is None or info is None or len(layers) == 0:
         return
-    reads = raw_output_reads(tracer.node, {"layers", layers.path.rsplit(".", 1)[-1]})
+    reads = raw_reads(tracer.node, {"layers", layers.path.rsplit(".", 1)[-1]})
     if not reads:
         return
     frame = info.frame
+    message = raw_output_message(layers[0]) if reads[0].attr == "output" else raw_input_message(layers[0], reads[0].attr)
     warnings.warn_explicit(
-        raw_output_message(layers[0]),
+        message,
         RawOutputWarning,
         frame.f_code.co_filename,
         reads[0].lineno,
@@ -147,4 +152,25 @@ def raw_output_message(block: Any) -> str:
         "as on transformers, is model.layers[i].layer_output (nnterp's model.layers_output[i]); entering it, "
         ".layer_input. The raw output stays readable; silence this with "
         "warnings.filterwarnings('ignore', category=vlenvoys.RawOutputWarning)."
+    )
+
+
+def raw_input_message(block: Any, attr: str) -> str:
+    """What `RawOutputWarning` says where a block's raw ``.input`` or ``.inputs`` (``attr``) is read."""
+    module = block._module
+    try:
+        arguments = [name for name in inspect.signature(type(module).forward).parameters if name != "self"]
+    except (TypeError, ValueError):
+        arguments = []
+    taken = f"({', '.join(arguments)})" if arguments else "its arguments"
+    read = (
+        f"the first argument, {arguments[0]}" if attr == "input" and arguments
+        else "the first argument" if attr == "input" else "every argument"
+    )
+    return (
+        f"model.layers[i].{attr} is what vLLM passes its decoder layer ({type(module).__name__}{taken}), not "
+        f"transformers' hidden_states [1, tokens, hidden_size]: {read}, in vLLM's layout (rows with no batch axis). "
+        "The residual stream entering block i, [1, tokens, hidden_size] as on transformers, is "
+        "model.layers[i].layer_input (nnterp's model.layers_input[i]); leaving it, .layer_output. The raw value stays "
+        "readable; silence this with warnings.filterwarnings('ignore', category=vlenvoys.RawOutputWarning)."
     )
