@@ -130,7 +130,8 @@ from ..collect.rows import new_name, received
 from ..values.names import ORDER, OWNERS
 from ..wire.requests import COLLECT_GENERATED_KEY, COLLECT_ID_KEY, COLLECT_KEY, STEER_KEY
 from ..wire.steering import MAX_POSITIONS, salt_of
-from .fields import CAPTURES_PATH, GENERATING, SteeringError, field_entries
+from .fields import CAPTURE_POSITIONS as POSITIONS
+from .fields import CAPTURES_PATH, GENERATING, TRANSPORTS, SteeringError, field_entries
 
 __all__ = [
     "BEACON_FILE", "CAPTURE_FILE", "DTYPES", "HELD_BYTES", "HELD_SECONDS", "MAX_BYTES", "PENDING", "TRANSPORTS",
@@ -148,12 +149,8 @@ MAX_BYTES = 64 << 20
 MAX_ENTRIES = 16
 #: Collectors (one per distinct set of reads) kept on the engine; the least recently used idle one goes beyond.
 MAX_COLLECTORS = 32
-#: The named choices of an entry's positions.
-POSITIONS = ("prompt", "generated", "all", "last")
 #: Capture ids of requests on their way to the engine from this server (`guard` lets only these name a collector).
 PENDING: set[str] = set()
-#: How a response hands its values over (a request's ``capture_transport``): in its JSON, or held for one fetch.
-TRANSPORTS = ("inline", "fetch")
 #: Seconds a capture is held for its fetch, by default (``vlenvoys serve --capture-ttl``).
 HELD_SECONDS = 300.0
 #: The most bytes of values held for fetching, by default (``--capture-held-bytes``); beyond, the oldest go first.

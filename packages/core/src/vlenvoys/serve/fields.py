@@ -8,10 +8,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..values.names import OWNERS
+from ..wire.steering import MAX_POSITIONS, NAMED_POSITIONS
 
 __all__ = [
-    "CAPTURES_PATH", "FETCH_TOGETHER", "GENERATING", "OWN_FIELDS", "VECTORS_PATH", "CaptureEntry", "SteeringEntry",
-    "SteeringError", "document", "field_entries",
+    "CAPTURES_PATH", "CAPTURE_POSITIONS", "FETCH_TOGETHER", "GENERATING", "OWN_FIELDS", "TRANSPORTS", "VECTORS_PATH",
+    "CaptureEntry", "SteeringEntry", "SteeringError", "document", "field_entries",
 ]
 
 #: Where named vectors are listed (GET) and registered (POST).
@@ -26,6 +27,12 @@ GENERATING = ("/v1/completions", "/v1/chat/completions")
 
 #: The request fields the middleware serves (and takes out of the body before vLLM sees it).
 OWN_FIELDS = frozenset({"steering", "capture", "capture_transport"})
+#: How a response hands its captured values over (``capture_transport``): in its JSON, or held for one fetch.
+TRANSPORTS = ("inline", "fetch")
+#: The named choices of a capture entry's positions.
+CAPTURE_POSITIONS = ("prompt", "generated", "all", "last")
+
+
 class SteeringError(ValueError):
     """A request's ``steering`` (or named vector, or ``capture``) the model cannot take: an HTTP 400 with this message."""
 
@@ -75,9 +82,9 @@ class SteeringEntry(BaseModel):
         description="hidden_size numbers, or the name of a vector registered with --vectors or POST /v1/steering/vectors."
     )
     factor: float = Field(1.0, description="The vector's scale.")
-    positions: Literal["all", "prompt", "generated"] | list[int] = Field(
+    positions: Literal[("all", *NAMED_POSITIONS)] | list[int] = Field(  # type: ignore[valid-type]
         "all", description="Which positions are steered: all, the prompt's, the generated tokens', or a list (0: the "
-        "prompt's first token), at most 65,536.",
+        f"prompt's first token), at most {MAX_POSITIONS:,}.",
     )
 
 
@@ -87,9 +94,9 @@ class CaptureEntry(BaseModel):
     model_config = ConfigDict(extra="forbid", title="CaptureEntry")
     value: Literal[tuple(OWNERS)] = Field(description="A standard block value (nnterp's names).")  # type: ignore[valid-type]
     layers: int | list[int] | Literal["all"] = Field(description="A block, a list of blocks (negative count from the end), or all.")
-    positions: Literal["prompt", "generated", "all", "last"] | list[int] = Field(
+    positions: Literal[CAPTURE_POSITIONS] | list[int] = Field(  # type: ignore[valid-type]
         "prompt", description="Which rows: the prompt's, the decode steps', both, the prompt's last, or a list (negative "
-        "count from the end of the rows), at most 65,536.",
+        f"count from the end of the rows), at most {MAX_POSITIONS:,}.",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="The dtype the values are returned in.")
 
@@ -105,7 +112,7 @@ _FIELDS = {
     "capture": _one_or_list(CaptureEntry, "vlenvoys: return standard values of this request's run with its response "
                             "(non-streamed, one prompt, one choice; vlenvoys.serve.capture)."),
     "capture_transport": {
-        "anyOf": [{"type": "string", "enum": ["inline", "fetch"]}, {"type": "null"}],
+        "anyOf": [{"type": "string", "enum": list(TRANSPORTS)}, {"type": "null"}],
         "description": "vlenvoys: the captured values as base64 in the response (inline, default) or held for one "
         "GET /v1/captures/{id} as safetensors (fetch).",
     },

@@ -16,6 +16,7 @@ A request's ``steering`` is `vlenvoys.serve.steering`'s, its ``capture`` `vlenvo
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from collections.abc import Sequence
@@ -108,8 +109,8 @@ class SteeringMiddleware:
         if self.shape is not None:
             return
         guard(app.state.engine_client)
-        openapi = app.openapi  # the request fields served here appear in /openapi.json and /docs
-        app.openapi = lambda: document(openapi())
+        # The request fields served here appear in /openapi.json and /docs; the document is built once.
+        app.openapi = functools.cache(lambda openapi=app.openapi: document(openapi()))
         config = app.state.vllm_config.model_config
         self.shape = (int(config.get_hidden_size()), int(config.hf_text_config.num_hidden_layers), config.dtype)
         from vllm.config import CUDAGraphMode

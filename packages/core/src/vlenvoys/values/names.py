@@ -75,11 +75,16 @@ def hint(name: str, owner: str | None) -> str | None:
     """
     if name in OWNERS:
         return None if OWNERS[name] == owner else where(name)
-    close = difflib.get_close_matches(name, list(OWNERS), n=1)
-    if not close:
+    found = nearest(name)
+    if found is None:
         return None
-    found = close[0]
     return f"did you mean {found!r}?" if OWNERS[found] == owner else f"did you mean {found!r}? {where(found)}"
+
+
+def nearest(name: str) -> str | None:
+    """The standard value name closest to ``name`` (difflib's closest match), or None when none is close."""
+    close = difflib.get_close_matches(name, list(OWNERS), n=1)
+    return close[0] if close else None
 
 
 def where(value: str) -> str:

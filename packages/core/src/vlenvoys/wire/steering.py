@@ -28,7 +28,7 @@ import torch
 
 from ..values.envoys import block_index
 
-__all__ = ["MAX_POSITIONS", "Entry", "Overlap", "entry", "read", "salt_of", "text"]
+__all__ = ["MAX_POSITIONS", "NAMED_POSITIONS", "Entry", "Overlap", "entry", "read", "salt_of", "text"]
 
 #: Positions resolved by the worker from the request's prompt: its own, or every one after it.
 NAMED_POSITIONS = ("prompt", "generated")
