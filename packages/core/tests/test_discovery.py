@@ -119,3 +119,76 @@ def test_a_family_package_that_fails_to_load_is_skipped_and_named(tmp_path, monk
             resolve(["FalconForCausalLM"])
     finally:
         family._discover.cache_clear()
+
+
+@pytest.fixture
+def future_family(tmp_path, monkeypatch):
+    """A family package installed by entry point, as pip would, that declares itself verified on a later vLLM only."""
+    from vlenvoys.values import family
+
+    (tmp_path / "vlenvoys_future.py").write_text(
+        "from vlenvoys import Architecture, Family, Layer\n"
+        "FAMILY = Family(name='future', architectures={'FutureForCausalLM': Architecture(Layer)}, vllm='>=99')\n"
+    )
+    info = tmp_path / "vlenvoys_future-0.1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vlenvoys-future\nVersion: 0.1.0\n")
+    (info / "entry_points.txt").write_text(f"[{family.GROUP}]\nfuture = vlenvoys_future:FAMILY\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv(family.ALLOW_UNVERIFIED, raising=False)
+    family._discover.cache_clear()
+    try:
+        yield
+    finally:
+        family._discover.cache_clear()
+
+
+def test_a_vllm_outside_the_family_range_is_refused_naming_the_range(future_family, monkeypatch):
+    """#50: the installed vLLM (0.32 here) against a family verified on >=99 only: an error before any engine starts."""
+    import vllm
+
+    from vlenvoys.values import family
+
+    with pytest.raises(vlenvoys.UnsupportedVLLM) as refused:
+        resolve(["FutureForCausalLM"])
+    said = str(refused.value)
+    assert "vlenvoys-future 0.1.0 is verified against vLLM >=99" in said
+    assert f"vLLM {vllm.__version__} is installed" in said and "pip install 'vllm>=99'" in said
+    assert family.ALLOW_UNVERIFIED in said
+    # Asked to go on: a warning naming the range, and the family's declarations.
+    monkeypatch.setenv(family.ALLOW_UNVERIFIED, "1")
+    with pytest.warns(UserWarning, match="verified against vLLM >=99.*not been checked against transformers"):
+        installed, name, _ = resolve(["FutureForCausalLM"])
+    assert (installed.name, name) == ("future", "FutureForCausalLM")
+
+
+def test_load_chooses_the_model_runner_vlenvoys_instruments(monkeypatch):
+    """#50: vLLM's V2 runner is its default on a GPU; `load` and `serve` set VLLM_USE_V2_MODEL_RUNNER=0 where unset,
+    and refuse by name a V2 runner the user asked for (before any engine starts)."""
+    from vlenvoys.engine.loading import V2_RUNNER, model_runner
+
+    monkeypatch.delenv(V2_RUNNER, raising=False)
+    model_runner()
+    import os
+
+    assert os.environ[V2_RUNNER] == "0"
+    model_runner()  # the user's 0 stands
+    monkeypatch.setenv(V2_RUNNER, "")  # vLLM's int("") would stop the engine
+    model_runner()
+    assert os.environ[V2_RUNNER] == "0"
+    for asked in ("1", "true"):
+        monkeypatch.setenv(V2_RUNNER, asked)
+        with pytest.raises(vlenvoys.UnsupportedVLLM, match=f"{V2_RUNNER}={asked} asks vLLM for its V2 model runner"):
+            model_runner()
+
+
+def test_cli_names_an_unverified_vllm_in_one_line(future_family, tmp_path):
+    """The CLI says the range in one line (exit 1), as it does an unknown architecture."""
+    import json
+
+    checkpoint = tmp_path / "future"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps({"architectures": ["FutureForCausalLM"]}))
+    result = CliRunner().invoke(app, ["lens", str(checkpoint)])
+    assert result.exit_code == 1, result.output
+    assert "verified against vLLM >=99" in result.output and "Traceback" not in result.output

@@ -359,6 +359,22 @@ def test_serve_with_a_config_file_naming_a_model_serves_that_one(tmp_path):
     assert (args.model, args.port) == ("some/checkpoint", 8123) and not args.served_model_name
 
 
+def test_a_v2_model_runner_is_refused_by_load_and_serve_before_an_engine_starts(tmp_path, monkeypatch):
+    """#50: vLLM's V2 runner asked for by hand is named, with what to do, by load and serve alike."""
+    from vlenvoys.engine.loading import V2_RUNNER
+    from vlenvoys.serve.server import parsed, prepare
+
+    path = str(testing.tiny_model("LlamaForCausalLM", tmp_path / "model"))
+    monkeypatch.setenv(V2_RUNNER, "1")
+    with pytest.raises(vlenvoys.UnsupportedVLLM, match=f"{V2_RUNNER}=1 asks vLLM for its V2 model runner"):
+        vlenvoys.load(path)
+    with pytest.raises(vlenvoys.UnsupportedVLLM, match="unset it"):
+        prepare(parsed([path]))
+    monkeypatch.delenv(V2_RUNNER)
+    prepare(parsed([path]))  # chosen for the user
+    assert os.environ[V2_RUNNER] == "0"
+
+
 def test_the_openapi_document_describes_steering_and_capture(server):
     """/openapi.json (and /docs) show the request fields the middleware serves, with the keys it takes (#49)."""
     import httpx

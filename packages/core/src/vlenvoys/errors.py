@@ -5,7 +5,7 @@ from __future__ import annotations
 import builtins
 import re
 
-__all__ = ["DECODE_STEP", "FUSED_ROUTING", "GATED", "NOT_ROUTED", "PARALLEL", "ROUTED", "InvalidWrite", "NoSuchBlock", "Preempted", "RawOutputWarning", "ReadOnly", "SkipRefused", "UnknownArchitecture", "Unavailable"]
+__all__ = ["DECODE_STEP", "FUSED_ROUTING", "GATED", "NOT_ROUTED", "PARALLEL", "ROUTED", "InvalidWrite", "NoSuchBlock", "Preempted", "RawOutputWarning", "ReadOnly", "SkipRefused", "UnknownArchitecture", "Unavailable", "UnsupportedVLLM"]
 
 #: Scores and patterns are recomputed from one step's queries and keys; on a decode step the
 #: earlier keys are in vLLM's KV cache, which only its kernel reads.
@@ -193,3 +193,9 @@ class NoSuchBlock(IndexError, ValueError):
 
 class UnknownArchitecture(LookupError):
     """No installed family package declares the model's architecture."""
+
+
+class UnsupportedVLLM(RuntimeError):
+    """The installed vLLM is one vlenvoys cannot serve as asked: outside the range the model's family was verified
+    against (``VLENVOYS_ALLOW_UNVERIFIED_VLLM=1`` goes on with a warning), or set to run a model runner vlenvoys'
+    workers do not instrument. Raised by `vlenvoys.load` and ``vlenvoys serve`` before any engine starts."""

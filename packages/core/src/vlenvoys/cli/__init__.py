@@ -18,7 +18,7 @@ from ..collect import activations
 from ..collect.prompts import collect as collect_values
 from ..engine import load, shutdown
 from ..engine.logs import vllm_logging
-from ..errors import InvalidWrite, ReadOnly, SkipRefused, Unavailable, UnknownArchitecture
+from ..errors import InvalidWrite, ReadOnly, SkipRefused, Unavailable, UnknownArchitecture, UnsupportedVLLM
 from ..serve import server
 from ..values.envoys import block_index
 from ..values.family import families as installed_families
@@ -40,7 +40,7 @@ def friendly_errors() -> Iterator[None]:
         yield
     # OSError: a missing file or folder, a hub name that cannot be fetched (offline), a full disk.
     # ImportError: a source read with an optional package (datasets) that is not installed.
-    except (UnknownArchitecture, Unavailable, InvalidWrite, ReadOnly, SkipRefused, OSError, ValueError, ImportError) as error:
+    except (UnknownArchitecture, UnsupportedVLLM, Unavailable, InvalidWrite, ReadOnly, SkipRefused, OSError, ValueError, ImportError) as error:
         typer.secho(f"error: {error}", fg=typer.colors.RED, err=True)
         raise typer.Exit(1) from None
 

@@ -9,16 +9,22 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ..errors import UnsupportedVLLM
 from ..values.family import resolve_checkpoint
 from ..weights import smollm2_path
 from .logs import vllm_logging
 from .model import StandardizedVLLM
 
-__all__ = ["CPU_KV_CACHE_BYTES", "TRITON_F32", "cpu_ranks", "engine_defaults", "float32_kernels", "graph_defaults", "load"]
+__all__ = [
+    "CPU_KV_CACHE_BYTES", "TRITON_F32", "V2_RUNNER", "cpu_ranks", "engine_defaults", "float32_kernels", "graph_defaults",
+    "load", "model_runner",
+]
 
 #: KV-cache size the CPU engine reserves unless told otherwise: vLLM's default
 #: fraction of a NUMA node is more than a small machine has free.
 CPU_KV_CACHE_BYTES = 1 << 30
+#: vLLM's choice of model runner: 1 its V2 runner, 0 its V1 runner, the one vlenvoys' workers instrument.
+V2_RUNNER = "VLLM_USE_V2_MODEL_RUNNER"
 
 
 def load(
@@ -60,6 +66,9 @@ def load(
 
     Raises:
         UnknownArchitecture: no installed family declares the model's architecture.
+        UnsupportedVLLM: the installed vLLM is outside the family's verified
+            range (``VLENVOYS_ALLOW_UNVERIFIED_VLLM=1`` warns instead), or its
+            V2 model runner is asked for or is its only one (`model_runner`).
         ValueError: ``cuda_graphs=True`` with ``enforce_eager``, or with a
             compilation mode other than ``NONE`` (torch.compile would trace
             away the Python hooks that serve the values); nnsight's ``taps=``.
@@ -79,6 +88,7 @@ def load(
         model = smollm2_path()
     model = str(model)
     installed, name, architecture = resolve_checkpoint(model, engine_kwargs)
+    model_runner()
     engine_defaults(model, engine_kwargs)
     # On, as on stock vLLM: plain requests share cached prefixes; traced, collected and steered
     # requests carry cache salts of their own (`salted`), so none of them reads or leaves one.
@@ -92,6 +102,39 @@ def load(
     loaded._built_keys = {}
     loaded._built_keys.update((envoy.path, frozenset(envoy.__dict__)) for envoy in loaded.modules())
     return loaded
+
+
+def model_runner() -> None:
+    """Choose vLLM's V1 model runner for the engines this process starts, the runner vlenvoys' workers instrument.
+
+    vLLM runs its V2 runner by default wherever Triton is (on every GPU since
+    0.27, where nothing it lacks is asked for), and reads the choice from
+    ``VLLM_USE_V2_MODEL_RUNNER`` in each of its processes: unset (or empty), it
+    is set to 0 here, before the engine's processes start and inherit it, as
+    nnsight's ``VLLM`` does for `load`; ``vlenvoys serve`` starts vLLM's server
+    without nnsight's client, so this is where its choice is made.
+
+    Raises:
+        UnsupportedVLLM: ``VLLM_USE_V2_MODEL_RUNNER`` asks for the V2 runner,
+            or this vLLM has no V1 runner (0.34 and later).
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("vllm.v1.worker.gpu_model_runner") is None:
+        import vllm
+
+        raise UnsupportedVLLM(
+            f"vLLM {vllm.__version__} has only its V2 model runner, and vlenvoys' workers instrument the V1 runner "
+            "(vllm.v1.worker.gpu_model_runner), which vLLM 0.33 is the last to have: pip install 'vllm>=0.32,<0.34'"
+        )
+    chosen = os.environ.get(V2_RUNNER, "").strip()
+    if chosen in ("", "0"):  # vLLM reads int(value): an empty one would stop its engine
+        os.environ[V2_RUNNER] = "0"
+    else:
+        raise UnsupportedVLLM(
+            f"{V2_RUNNER}={chosen} asks vLLM for its V2 model runner, which vlenvoys' workers do not instrument: "
+            f"unset it ({V2_RUNNER}=0 is chosen for you) or set it to 0"
+        )
 
 
 def graph_defaults(engine_kwargs: dict) -> None:

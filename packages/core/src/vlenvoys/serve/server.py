@@ -25,7 +25,7 @@ from urllib.parse import parse_qs
 
 import torch
 
-from ..engine.loading import cpu_ranks, engine_defaults, float32_kernels
+from ..engine.loading import cpu_ranks, engine_defaults, float32_kernels, model_runner
 from ..engine.processes import worker_class
 from ..values.family import resolve_checkpoint
 from ..weights import smollm2_path
@@ -340,12 +340,21 @@ def _json(status: int, content: dict) -> Any:
 MIDDLEWARE = f"{__name__}.SteeringMiddleware"
 
 
+def vllm_cli_args() -> Any:
+    """vLLM's module of ``serve``'s arguments (``make_arg_parser``, ``validate_parsed_serve_args``), where this
+    vLLM keeps it: ``vllm.entrypoints.common.cli_args`` since 0.33, ``vllm.entrypoints.launchers.cli_args`` in 0.32."""
+    try:
+        from vllm.entrypoints.common import cli_args
+    except ImportError:
+        from vllm.entrypoints.launchers import cli_args
+    return cli_args
+
+
 def parser() -> Any:
     """vLLM's ``serve`` argument parser with vlenvoys' options (``--vectors``, ``--cuda-graphs``)."""
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    made = make_arg_parser(FlexibleArgumentParser(
+    made = vllm_cli_args().make_arg_parser(FlexibleArgumentParser(
         prog="vlenvoys serve",
         description="vLLM's OpenAI-compatible server on vlenvoys' worker: every vLLM server argument works, and "
         "requests may carry a 'steering' field (see vlenvoys.serve.steering).",
@@ -406,6 +415,8 @@ def prepare(args: Any) -> None:
             processes, headless, gRPC, data parallelism), a ``--worker-cls`` of the user's, ``--cuda-graphs`` with
             ``--enforce-eager`` or another compilation mode.
         UnknownArchitecture: no installed family declares the model's architecture.
+        UnsupportedVLLM: the installed vLLM is outside the family's verified range, or runs its V2 model runner
+            (`vlenvoys.engine.loading.model_runner`, which chooses V1 where the user chose nothing).
         FileNotFoundError: no checkpoint, or no ``--vectors`` file.
     """
     if getattr(args, "model_tag", None):
@@ -418,6 +429,7 @@ def prepare(args: Any) -> None:
     # An architecture declared on vLLM's transformers backend alone runs there, as `vlenvoys.load` runs it.
     chosen_impl = {"model_impl": args.model_impl}
     resolve_checkpoint(args.model, chosen_impl)
+    model_runner()
     args.model_impl = chosen_impl["model_impl"]
     if not (args.capture_ttl > 0 and args.capture_held_bytes > 0):
         raise ValueError(f"--capture-ttl and --capture-held-bytes must be positive, got {args.capture_ttl} and "
@@ -511,14 +523,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     """``vlenvoys serve [MODEL] [vLLM server arguments] [--vectors FILE] [--cuda-graphs]``: serve until stopped."""
     import uvloop
     from vllm.entrypoints.launchers.api_server.entry import run_server
-    from vllm.entrypoints.launchers.cli_args import validate_parsed_serve_args
-    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+
+    try:
+        from vllm.entrypoints.common.startup import cli_env_setup
+    except ImportError:  # vLLM 0.32
+        from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
 
     cli_env_setup()
     anyio_classes_first()
     args = parsed(sys.argv[1:] if argv is None else argv)
     prepare(args)
-    validate_parsed_serve_args(args)
+    vllm_cli_args().validate_parsed_serve_args(args)
     name = f" as {args.served_model_name[0]!r}" if args.served_model_name else ""
     print(f"vlenvoys serve: {args.model}{name} ({args.dtype}) on http://{args.host or '0.0.0.0'}:{args.port}/v1, "
           f"steering on {', '.join(GENERATING)}; {len(VECTORS.named)} named vectors", file=sys.stderr, flush=True)

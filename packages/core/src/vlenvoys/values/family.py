@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .envoys import Attention, Blocks, Layer, Mlp
-from ..errors import UnknownArchitecture
+from ..errors import UnknownArchitecture, UnsupportedVLLM
 
 __all__ = [
     "BACKBONE_NAMES", "TIED_BACKBONE_NAMES", "Architecture", "ByConfig", "Family", "InstalledFamily", "architectures_of",
@@ -203,6 +203,7 @@ def resolve(
     Raises:
         UnknownArchitecture: no installed family declares any of them; the
             message names the architectures and the packages that would serve them.
+        UnsupportedVLLM: the installed vLLM is outside the family's verified range (`_check_vllm`).
     """
     architectures = list(architectures or [])
     for name in architectures:
@@ -235,8 +236,22 @@ def resolve(
     )
 
 
+#: Set to 1 to start a model on a vLLM outside its family's verified range: a warning instead of `UnsupportedVLLM`.
+ALLOW_UNVERIFIED = "VLENVOYS_ALLOW_UNVERIFIED_VLLM"
+
+
 @functools.cache
+def _warned(message: str) -> None:
+    warnings.warn(message, stacklevel=4)
+
+
 def _check_vllm(installed: InstalledFamily) -> None:
+    """Refuse a vLLM outside the range ``installed``'s family declares (``Family.vllm``), unless allowed.
+
+    Raises:
+        UnsupportedVLLM: the installed vLLM's version is outside the range and
+            ``VLENVOYS_ALLOW_UNVERIFIED_VLLM`` is not 1 (with it: a warning, once).
+    """
     spec = installed.family.vllm
     if not spec:
         return
@@ -244,12 +259,16 @@ def _check_vllm(installed: InstalledFamily) -> None:
     from packaging.specifiers import SpecifierSet
 
     version = vllm.__version__
-    if version not in SpecifierSet(spec):
-        warnings.warn(
-            f"{installed.distribution} {installed.version} was verified against vLLM {spec}; "
-            f"vLLM {version} is installed, so its values have not been checked against transformers here",
-            stacklevel=3,
-        )
+    if SpecifierSet(spec).contains(version, prereleases=True):
+        return
+    said = f"{installed.distribution} {installed.version} is verified against vLLM {spec}; vLLM {version} is installed"
+    if os.environ.get(ALLOW_UNVERIFIED) == "1":
+        _warned(f"{said}, so its values have not been checked against transformers here ({ALLOW_UNVERIFIED}=1)")
+        return
+    raise UnsupportedVLLM(
+        f"{said}: install a verified one (pip install 'vllm{spec}'), or set {ALLOW_UNVERIFIED}=1 to go on with "
+        "values not checked against transformers on this version"
+    )
 
 
 def architectures_of(model: str | os.PathLike) -> list[str]:
@@ -293,6 +312,7 @@ def resolve_checkpoint(model: str | os.PathLike, engine_kwargs: dict) -> tuple[I
     Raises:
         UnknownArchitecture: no installed family declares the architecture
             (with the message of vLLM's own implementation).
+        UnsupportedVLLM: the installed vLLM is outside the family's verified range.
     """
     architectures, config = architectures_of(model), config_of(model)
     impl = engine_kwargs.get("model_impl")
