@@ -87,6 +87,7 @@ def test_cli_errors_are_one_line_not_a_traceback():
     "engine_kwargs, message",
     [
         ({"taps": ["model.layers.*.output"]}, "does not run nnsight's taps="),
+        ({"pipeline_parallel_size": 2}, "pipeline parallelism \\(pipeline_parallel_size > 1\\) is not served"),
         ({"cuda_graphs": True, "enforce_eager": True}, "drop enforce_eager"),
         ({"cuda_graphs": True, "compilation_config": {"mode": 3}}, "captures the eager forward"),
         ({"cuda_graphs": True, "compilation_config": {"mode": "VLLM_COMPILE"}}, "got mode 'VLLM_COMPILE'"),

@@ -371,6 +371,8 @@ def test_a_v2_model_runner_is_refused_by_load_and_serve_before_an_engine_starts(
     with pytest.raises(vlenvoys.UnsupportedVLLM, match="unset it"):
         prepare(parsed([path]))
     monkeypatch.delenv(V2_RUNNER)
+    with pytest.raises(ValueError, match="--pipeline-parallel-size 2: pipeline parallelism .* is not served"):
+        prepare(parsed([path, "--pipeline-parallel-size", "2"]))  # #51 item 2: refused by name, as load does
     prepare(parsed([path]))  # chosen for the user
     assert os.environ[V2_RUNNER] == "0"
 

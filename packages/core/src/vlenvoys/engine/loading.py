@@ -16,13 +16,19 @@ from .logs import vllm_logging
 from .model import StandardizedVLLM
 
 __all__ = [
-    "CPU_KV_CACHE_BYTES", "TRITON_F32", "V2_RUNNER", "cpu_ranks", "engine_defaults", "float32_kernels", "graph_defaults",
+    "CPU_KV_CACHE_BYTES", "PIPELINE_REFUSED", "TRITON_F32", "V2_RUNNER", "cpu_ranks", "engine_defaults", "float32_kernels", "graph_defaults",
     "load", "model_runner",
 ]
 
 #: KV-cache size the CPU engine reserves unless told otherwise: vLLM's default
 #: fraction of a NUMA node is more than a small machine has free.
 CPU_KV_CACHE_BYTES = 1 << 30
+#: Why pipeline parallelism is refused, by `load` and ``vlenvoys serve`` alike.
+PIPELINE_REFUSED = (
+    "pipeline parallelism (pipeline_parallel_size > 1) is not served: vlenvoys reads, steers and collects on workers "
+    "that each run every block (tensor parallelism splits a block across ranks), while pipeline stages hold "
+    "disjoint blocks and nnsight reports a trace's saves from the first stage only; use tensor_parallel_size"
+)
 #: vLLM's choice of model runner: 1 its V2 runner, 0 its V1 runner, the one vlenvoys' workers instrument.
 V2_RUNNER = "VLLM_USE_V2_MODEL_RUNNER"
 
@@ -69,7 +75,7 @@ def load(
         UnsupportedVLLM: the installed vLLM is outside the family's verified
             range (``VLENVOYS_ALLOW_UNVERIFIED_VLLM=1`` warns instead), or its
             V2 model runner is asked for or is its only one (`model_runner`).
-        ValueError: ``cuda_graphs=True`` with ``enforce_eager``, or with a
+        ValueError: ``pipeline_parallel_size`` above 1; ``cuda_graphs=True`` with ``enforce_eager``, or with a
             compilation mode other than ``NONE`` (torch.compile would trace
             away the Python hooks that serve the values); nnsight's ``taps=``.
     """
@@ -81,6 +87,8 @@ def load(
             "without a tap, so a trace would serve fewer rows than it asked for. Load with cuda_graphs=True for "
             "steered generation and collection with CUDA graphs, or without either for traces"
         )
+    if int(engine_kwargs.get("pipeline_parallel_size") or 1) > 1:
+        raise ValueError(PIPELINE_REFUSED)
     vllm_logging(verbose)  # before vLLM logs this process's settings and starts the engine's processes
     if cuda_graphs:
         graph_defaults(engine_kwargs)

@@ -25,7 +25,7 @@ from urllib.parse import parse_qs
 
 import torch
 
-from ..engine.loading import cpu_ranks, engine_defaults, float32_kernels, model_runner
+from ..engine.loading import PIPELINE_REFUSED, cpu_ranks, engine_defaults, float32_kernels, model_runner
 from ..engine.processes import worker_class
 from ..values.family import resolve_checkpoint
 from ..weights import smollm2_path
@@ -412,7 +412,7 @@ def prepare(args: Any) -> None:
 
     Raises:
         ValueError: what this increment does not serve (several API server
-            processes, headless, gRPC, data parallelism), a ``--worker-cls`` of the user's, ``--cuda-graphs`` with
+            processes, headless, gRPC, data or pipeline parallelism), a ``--worker-cls`` of the user's, ``--cuda-graphs`` with
             ``--enforce-eager`` or another compilation mode.
         UnknownArchitecture: no installed family declares the model's architecture.
         UnsupportedVLLM: the installed vLLM is outside the family's verified range, or runs its V2 model runner
@@ -423,6 +423,8 @@ def prepare(args: Any) -> None:
         args.model = args.model_tag
     if args.headless or getattr(args, "grpc", False):
         raise ValueError("vlenvoys serve runs the HTTP server in this process: --headless and --grpc are not served")
+    if args.pipeline_parallel_size > 1:
+        raise ValueError(f"--pipeline-parallel-size {args.pipeline_parallel_size}: {PIPELINE_REFUSED}")
     if (args.api_server_count or 1) > 1 or args.data_parallel_size > 1:
         raise ValueError("vlenvoys serve runs one API server process and one engine: drop --api-server-count and "
                          "--data-parallel-size (the named vectors live in that one process)")
