@@ -665,7 +665,7 @@ def profile(folder: Path, engines: dict, runs: dict[str, Callable[[], object]]) 
 def github_table(rows, headers) -> str:
     try:
         from tabulate import tabulate
-    except ImportError:  # the GPU bundle (shared/tools/gpu-bundle) ships no tabulate
+    except ImportError:  # the GPU bundle (tools/gpu-bundle) ships no tabulate
         lines = [headers, ["---"] * len(headers), *rows]
         return "\n".join("| " + " | ".join(map(str, line)) + " |" for line in lines)
     return tabulate(rows, headers=headers, tablefmt="github")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What `vlenvoys serve` needs on the H200 beyond the offline bundle (../shared/tools/gpu-bundle ships
+# What `vlenvoys serve` needs on the H200 beyond the offline bundle (tools/gpu-bundle ships
 # vLLM's offline engine, not its HTTP server): uvicorn and the server's other imports, about 7 MB.
 #
 #   bash benchmarks/gpu-extras.sh download DIR     here: the wheels into DIR (carry DIR to the GPU machine)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every family's oracle suite on one GPU machine with the offline bundle installed (see
-# ../shared/tools/gpu-bundle: install.sh puts vLLM, nnsight and this checkout's wheels in /tmp/site).
+# tools/gpu-bundle: install.sh puts vLLM, nnsight and this checkout's wheels in /tmp/site).
 #
 #   bash benchmarks/gpu-suite.sh LOGDIR        -> one log per group in LOGDIR, a summary on stdout
 #
