@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# On the lent GPU machine, from the repo root: the steps after the bundle's pieces have travelled.
+#
+#   call 1 (carry .gpu/piece0):                 mkdir -p /tmp/b && cp .gpu/piece0/* /tmp/b/
+#   call 2 within 30 s (carry .gpu/piece1, .gpu/extras, .dev):
+#                                               bash tools/gpu-bundle/on-device.sh install
+#   later calls (carry .dev):                   bash tools/gpu-bundle/on-device.sh gate [gate.py arguments]
+#                                               bash tools/gpu-bundle/on-device.sh suite
+#
+# Here, before call 1: `tools/gpu-bundle/make .gpu` (once per vLLM version), `bash benchmarks/gpu-extras.sh
+# download .gpu/extras`, and this commit's wheels and name in .dev (ignored by git, so they travel only when
+# carried): `pip wheel --no-deps -w .dev/proj packages/core packages/testing packages/family-*` and
+# `git rev-parse --short HEAD > .dev/commit`. With the machine still warm, `install` again reinstalls only the wheels.
+set -euo pipefail
+export PYTHONPATH=/tmp/site:/tmp/extra VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_V2_MODEL_RUNNER=0 HF_HUB_OFFLINE=1 \
+  TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+case "${1:-}" in
+install)
+  if [ ! -d /tmp/site/vllm ]; then
+    cp .gpu/piece1/* /tmp/b/
+    bash /tmp/b/install.sh /tmp/b
+    [ ! -d .gpu/extras ] || SITE=/tmp/site bash benchmarks/gpu-extras.sh install .gpu/extras
+  fi
+  rm -rf /tmp/proj && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/proj .dev/proj/*.whl
+  rm -rf /tmp/site/vlenvoys* && cp -r /tmp/proj/* /tmp/site/
+  python3 -c "import vllm, nnsight, vlenvoys; print('vLLM', vllm.__version__, 'nnsight', nnsight.__version__, vlenvoys.__file__)" ;;
+gate)
+  shift
+  set -o pipefail
+  timeout "${GATE_SECONDS:-575}" python3 benchmarks/gate.py --commit "$(cat .dev/commit)" --out "${OUT:-.}" "$@" 2>&1 |
+    tee "${OUT:-.}/gate.log" | grep -v "it/s\]" | tail -80 ;;
+suite)
+  bash benchmarks/gpu-suite.sh "${OUT:-/tmp}/suite" ;;
+*) echo "usage: $0 install|gate|suite" >&2; exit 2 ;;
+esac
