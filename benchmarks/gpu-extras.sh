@@ -6,12 +6,12 @@
 #   bash benchmarks/gpu-extras.sh install DIR      there, after the bundle's install.sh: into /tmp/extra
 #
 # `install` takes only the distributions neither the image nor /tmp/site has, so no version of theirs
-# is shadowed; put /tmp/extra last on PYTHONPATH. Measured 2026-12-04: the server tests and
+# is shadowed; put /tmp/extra last on PYTHONPATH (and /tmp/extra/bin on PATH: py-spy, for bench.py --profile). Measured 2026-12-04: the server tests and
 # benchmarks/serve.py ran with these eleven installed (the rest were already there).
 set -euo pipefail
 WHEELS="uvicorn h11 click httptools uvloop watchfiles python-multipart email-validator dnspython
   pydantic-extra-types prometheus_client prometheus-fastapi-instrumentator anyio httpx httpcore certifi idna sniffio
-  model-hosting-container-standards jmespath supervisor"
+  model-hosting-container-standards jmespath supervisor py-spy"
 D=${2:?a folder for the wheels}
 case "$1" in
 download)

@@ -6,6 +6,7 @@
 #                                               bash tools/gpu-bundle/on-device.sh install
 #   later calls (carry .dev):                   bash tools/gpu-bundle/on-device.sh gate [gate.py arguments]
 #                                               bash tools/gpu-bundle/on-device.sh suite
+#                                               bash tools/gpu-bundle/on-device.sh profile [bench.py arguments]
 #
 # Here, before call 1: `tools/gpu-bundle/make .gpu` (once per vLLM version), `bash benchmarks/gpu-extras.sh
 # download .gpu/extras`, and this commit's wheels and name in .dev (ignored by git, so they travel only when
@@ -13,7 +14,7 @@
 # `git rev-parse --short HEAD > .dev/commit`. With the machine still warm, `install` again reinstalls only the wheels.
 set -euo pipefail
 export PYTHONPATH=/tmp/site:/tmp/extra VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_V2_MODEL_RUNNER=0 HF_HUB_OFFLINE=1 \
-  TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+  TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 PATH=/tmp/extra/bin:$PATH
 case "${1:-}" in
 install)
   if [ ! -d /tmp/site/vllm ]; then
@@ -24,6 +25,10 @@ install)
   rm -rf /tmp/proj && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/proj .dev/proj/*.whl
   rm -rf /tmp/site/vlenvoys* && cp -r /tmp/proj/* /tmp/site/
   python3 -c "import vllm, nnsight, vlenvoys; print('vLLM', vllm.__version__, 'nnsight', nnsight.__version__, vlenvoys.__file__)" ;;
+profile)  # where a trace's time goes on the GPU (#48 item 2): py-spy of the engine cores, bench.py's paired rows
+  shift
+  timeout "${PROFILE_SECONDS:-560}" python3 benchmarks/bench.py --paired --repeats 1 --profile "${OUT:-/tmp}/profile" "$@" 2>&1 |
+    grep -v "it/s\]" | tail -60 ;;
 gate)
   shift
   set -o pipefail
@@ -31,5 +36,5 @@ gate)
     tee "${OUT:-.}/gate.log" | grep -v "it/s\]" | tail -80 ;;
 suite)
   bash benchmarks/gpu-suite.sh "${OUT:-/tmp}/suite" ;;
-*) echo "usage: $0 install|gate|suite" >&2; exit 2 ;;
+*) echo "usage: $0 install|gate|suite|profile" >&2; exit 2 ;;
 esac
