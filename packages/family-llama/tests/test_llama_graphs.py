@@ -9,6 +9,8 @@ replays (GPU_RESULTS.md).
 
 from __future__ import annotations
 
+import linecache
+
 import pytest
 import torch
 
@@ -24,12 +26,31 @@ on_llama = pytest.mark.parametrize("subject", ["LlamaForCausalLM"], indirect=Tru
 STEPS = 6
 
 
+#: The trace sites the graph engine declares (#48): the stream at every block, the attention's output at block 1.
+SITES = {"layer_output": "all", "attention_output": [1]}
+
+
 @pytest.fixture(scope="module")
 def graph_engine(tmp_path_factory):
     """The tiny Llama (the subject's weights: same architecture and seed) on an engine with CUDA graphs."""
     path = testing.tiny_model("LlamaForCausalLM", tmp_path_factory.mktemp("graphs"))
-    with oracle.engine(str(path), cuda_graphs=True) as model:
+    with oracle.engine(str(path), cuda_graphs=True, sites=SITES) as model:
         yield model
+
+
+@pytest.fixture
+def sent(graph_engine, monkeypatch):
+    """How many requests the graph engine has been sent since the test began."""
+    engine = graph_engine.vllm_entrypoint.llm_engine
+    count = [0]
+    add = engine.add_request
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return add(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "add_request", counted)
+    return count
 
 
 def logprobs_of(output) -> list[tuple[int, float]]:
@@ -83,10 +104,92 @@ def test_collect_equals_the_eager_engines(subject, graph_engine):
             assert same_rows(got, want, subject), key
 
 
-def test_traces_are_refused_by_name(graph_engine):
-    with pytest.raises(NotImplementedError, match="replays CUDA graphs"):
-        with graph_engine.trace([1, 2, 3]):
-            pass
+def test_traces_without_declared_sites_are_refused_by_name(tmp_path):
+    """An engine with graphs and no ``sites``: a trace is refused, naming sites= (the replays would skip its block)."""
+    path = testing.tiny_model("LlamaForCausalLM", tmp_path / "model")
+    with pytest.raises(ValueError, match="sites= declares what a trace may read on an engine that replays"):
+        vlenvoys.load(path, sites={"layer_output": "all"})  # no graphs: nothing to declare
+    with pytest.raises(ValueError, match="'layer_ouput' is not a standard block value; did you mean 'layer_output'"):
+        vlenvoys.load(path, cuda_graphs=True, sites={"layer_ouput": "all"})
+    with pytest.raises(vlenvoys.NoSuchBlock, match="block 9 is outside the model's 3 blocks"):
+        vlenvoys.load(path, cuda_graphs=True, sites={"layer_output": [0, 9]})
+    with oracle.engine(str(path), cuda_graphs=True) as undeclared:
+        with pytest.raises(NotImplementedError, match="replays CUDA graphs.*sites=\\{'layer_output': 'all'\\}"):
+            with undeclared.trace([1, 2, 3]):
+                pass
+
+
+@on_llama
+def test_a_trace_reads_declared_sites_on_every_step_as_the_eager_engine(subject, graph_engine):
+    """#48: a generation traced on the graph engine serves its declared sites on the prefill and on every decode
+    step, whole (never a short or missing row) and equal to the eager engine's."""
+    steps = 5
+
+    def read(model):
+        with model.trace(temperature=0.0, max_tokens=steps, ignore_eos=True) as tracer:
+            rows = list().save()
+            for prompt in subject.prompts[:2]:
+                with tracer.invoke(prompt):
+                    mine = []
+                    for _ in tracer.iter[0:steps]:
+                        mine.append((model.layers_output[0], model.layers[1].self_attn.attention_output,
+                                     model.layers[-1].layer_output, model.logits))
+                    rows.append(mine)
+        return rows
+
+    got, want = read(graph_engine), read(subject.model)
+    for prompt, mine, theirs in zip(subject.prompts[:2], got, want, strict=True):
+        assert len(mine) == len(theirs) == steps
+        for step, (ours, eager) in enumerate(zip(mine, theirs, strict=True)):
+            tokens = len(prompt) if step == 0 else 1
+            for name, a, b in zip(("layers_output[0]", "attention_output", "layer_output", "logits"), ours, eager,
+                                  strict=True):
+                if name != "logits":
+                    assert a.shape == (1, tokens, subject.hidden_size), (name, step, a.shape)
+                assert same_rows(a, b, subject), (name, step)
+
+
+@pytest.mark.parametrize(
+    "body, refused",
+    [
+        ("model.layers[0].self_attn.attention_output.save()", "model.layers\\[0\\] attention_output is not a declared site"),
+        ("model.layers[1].mlp.mlp_output.save()", "model.layers\\[1\\] mlp_output is not a declared site"),
+        ("model.layers[1].output.save()", "\\.output is a module's raw value"),
+        ("[model.layers[i].self_attn.attention_output.save() for i in range(3)]", "cannot tell before the trace runs"),
+        ("model.attentions_output[2].save()", "model.layers\\[2\\] attention_output is not a declared site"),
+        ("model.layers[block].self_attn.attention_output.save()", "model.layers\\[2\\] attention_output"),
+        ("model.steer(block, torch.ones(model.hidden_size))", None),
+        ("helper(model)", "in .*helper .*attention_output is read at a block this check cannot tell"),
+    ],
+)
+def test_an_undeclared_site_is_refused_by_name_before_anything_is_sent(graph_engine, sent, body, refused):
+    """#48: a trace reaching a site the engine did not declare is refused, naming it and the declaration, before any
+    of its requests is sent; what is declared at every block may be read at any block however it is named."""
+    block = 2  # noqa: F841 (read by the checked trace's frame)
+    namespace = {"model": graph_engine, "torch": torch, "block": block, "helper": _helper}
+    source = f"with model.trace([1, 2, 3]) as tracer:\n    {body}\n"
+    name = f"<trace {len(linecache.cache)}>"  # nnsight reads a block's source through linecache
+    linecache.cache[name] = (len(source), None, source.splitlines(keepends=True), name)
+    if refused is None:
+        exec(compile(source, name, "exec"), namespace)
+        assert sent[0] == 1
+        return
+    with pytest.raises(ValueError, match=refused) as error:
+        exec(compile(source, name, "exec"), namespace)
+    assert "declared: layer_output at every block; attention_output at block 1" in str(error.value)
+    assert sent[0] == 0
+
+
+def _helper(model):
+    return [model.layers[i].self_attn.attention_output.save() for i in range(3)]
+
+
+def test_values_declared_at_every_block_are_read_however_the_block_is_named(graph_engine, sent):
+    with graph_engine.trace([1, 2, 3]):
+        streams = list().save()
+        for layer in graph_engine.layers:
+            streams.append(layer.layer_output)
+    assert sent[0] == 1 and [tuple(each.shape) for each in streams] == [(1, 3, graph_engine.hidden_size)] * 3
 
 
 def test_a_stream_the_steering_overflows_is_left_unsteered_and_refused(graph_engine):

@@ -5,15 +5,16 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from ..errors import UnsupportedVLLM
-from ..values.family import resolve_checkpoint
+from ..values.family import config_of, resolve_checkpoint
 from ..weights import smollm2_path
 from .logs import vllm_logging
 from .model import StandardizedVLLM
+from .sites import declared
 
 __all__ = [
     "CPU_KV_CACHE_BYTES", "PIPELINE_REFUSED", "TRITON_F32", "V2_RUNNER", "cpu_ranks", "engine_defaults", "float32_kernels", "graph_defaults",
@@ -37,6 +38,7 @@ def load(
     model: str | os.PathLike | None = None,
     *,
     cuda_graphs: bool = False,
+    sites: Mapping[str, Any] | None = None,
     verbose: bool | None = None,
     **engine_kwargs: Any,
 ) -> StandardizedVLLM:
@@ -62,8 +64,15 @@ def load(
             compilation mode ``NONE``, graphs of pure decode steps only:
             ``FULL_DECODE_ONLY``), with the steering hooks of every block in
             it; prefill steps run eagerly. Traces, whose hooks a replay would
-            skip, are refused on such an engine (NotImplementedError). On the
+            skip, run on such an engine only at the ``sites`` declared. On the
             CPU engine, which has no graphs, it changes nothing but that.
+        sites: With ``cuda_graphs=True``, the standard values a trace may read
+            or write, and at which blocks: ``{"layer_output": "all",
+            "attention_output": [3, 7]}`` (`vlenvoys.engine.sites`). A step
+            that runs a trace's block runs eagerly, so every prefill and decode
+            step serves its rows; a trace reaching a site outside these is
+            refused by name (ValueError) before any of its requests is sent.
+            Without ``sites`` such an engine refuses traces (NotImplementedError).
         verbose: vLLM's INFO log (its engine settings, start-up and shutdown
             lines) shown (True) or not (False; its warnings stay); None keeps
             what an earlier call or the ``vlenvoys`` command chose, quiet at
@@ -75,7 +84,8 @@ def load(
         UnsupportedVLLM: the installed vLLM is outside the family's verified
             range (``VLENVOYS_ALLOW_UNVERIFIED_VLLM=1`` warns instead), or its
             V2 model runner is asked for or is its only one (`model_runner`).
-        ValueError: ``pipeline_parallel_size`` above 1; ``cuda_graphs=True`` with ``enforce_eager``, or with a
+        ValueError: ``sites`` without ``cuda_graphs=True``, or naming no standard
+            value (`vlenvoys.engine.sites.declared`); ``pipeline_parallel_size`` above 1; ``cuda_graphs=True`` with ``enforce_eager``, or with a
             compilation mode other than ``NONE`` (torch.compile would trace
             away the Python hooks that serve the values); nnsight's ``taps=``.
     """
@@ -89,6 +99,9 @@ def load(
         )
     if int(engine_kwargs.get("pipeline_parallel_size") or 1) > 1:
         raise ValueError(PIPELINE_REFUSED)
+    if sites is not None and not cuda_graphs:
+        raise ValueError("sites= declares what a trace may read on an engine that replays CUDA graphs: load with "
+                         "cuda_graphs=True, or drop sites (an engine without graphs serves every value to traces)")
     vllm_logging(verbose)  # before vLLM logs this process's settings and starts the engine's processes
     if cuda_graphs:
         graph_defaults(engine_kwargs)
@@ -96,6 +109,7 @@ def load(
         model = smollm2_path()
     model = str(model)
     installed, name, architecture = resolve_checkpoint(model, engine_kwargs)
+    declared_sites = None if sites is None else declared(sites, block_count(model))
     model_runner()
     engine_defaults(model, engine_kwargs)
     # On, as on stock vLLM: plain requests share cached prefixes; traced, collected and steered
@@ -106,10 +120,24 @@ def load(
             model, dispatch=True, architecture=architecture, cuda_graphs=bool(cuda_graphs), **engine_kwargs
         )
     loaded.family, loaded.architecture_name = installed, name
+    loaded.sites = declared_sites
     # The keys each envoy has as the model is handed over, as the worker's have them (`_travels_by_path`).
     loaded._built_keys = {}
     loaded._built_keys.update((envoy.path, frozenset(envoy.__dict__)) for envoy in loaded.modules())
     return loaded
+
+
+def block_count(model: str) -> int:
+    """How many decoder blocks checkpoint ``model`` has, read from its config before any engine starts."""
+    config = config_of(model)
+    if isinstance(config, dict):
+        text = config.get("text_config") or config
+        count = text.get("num_hidden_layers", text.get("n_layer", text.get("num_layers")))
+    else:
+        count = config.get_text_config().num_hidden_layers
+    if not isinstance(count, int):
+        raise ValueError(f"{model}: its config names no number of blocks (num_hidden_layers), which sites= needs")
+    return count
 
 
 def model_runner() -> None:

@@ -118,6 +118,8 @@ class StandardizedVLLM(VLLM):
 
     #: Set by `load` (``cuda_graphs=True``): the engine replays CUDA graphs of its decode steps.
     cuda_graphs = False
+    #: Set by `load` with ``cuda_graphs=True``: the sites a trace may reach (`vlenvoys.engine.sites`), or None.
+    sites = None
 
     def _load_sync(self, repo_id: str, **kwargs: Any) -> Any:
         from vllm import LLM
@@ -198,14 +200,19 @@ class StandardizedVLLM(VLLM):
 
         Reading a block's raw ``.output`` warns once per place
         (`vlenvoys.RawOutputWarning`): the residual stream is ``.layer_output``.
+
+        On an engine loaded with ``cuda_graphs=True`` and ``sites``, a trace
+        reaches only the declared sites (ValueError before anything is sent,
+        `vlenvoys.engine.sites.check`); without ``sites`` it is refused
+        (NotImplementedError).
         """
         _check_progress(progress)
         self._check_running()
-        if self.cuda_graphs:
+        if self.cuda_graphs and self.sites is None:
             raise NotImplementedError(
                 "this engine replays CUDA graphs of its decode steps (vlenvoys.load(..., cuda_graphs=True)), where "
-                "a trace's reads and edits would not run: it serves vlenvoys.generate's steering and "
-                "vlenvoys.collect; trace on an engine loaded without cuda_graphs"
+                "a trace's reads and edits would not run: declare the values traces may read at load "
+                "(sites={'layer_output': 'all'}), or trace on an engine loaded without cuda_graphs"
             )
         # nnsight's `generate` opens its block through this method: a generation keeps vLLM's length.
         generating = sys._getframe(1).f_code is _NNSIGHT_GENERATE

@@ -28,6 +28,7 @@ from nnsight.modeling.vllm.tracer import VLLMTracer
 
 from ..errors import RawOutputWarning
 from ..values.envoys import FusedLayer
+from .sites import check
 
 __all__ = ["GENERATION_LENGTH", "RAW", "Generation", "Trace", "raw_reads", "steps_through"]
 
@@ -38,9 +39,15 @@ GENERATION_LENGTH = frozenset({"max_tokens", "min_tokens"})
 
 
 class Generation(VLLMTracer):
-    """``with model.generate(...)``: nnsight's vLLM tracer, which warns where a block's raw output is read."""
+    """``with model.generate(...)``: nnsight's vLLM tracer, which warns where a block's raw output is read, and on an
+    engine that replays CUDA graphs refuses a site outside those declared at load (`vlenvoys.engine.sites`)."""
 
     def prepare(self, code: CodeType) -> tuple:
+        model = self.envoy
+        if getattr(model, "cuda_graphs", False) and getattr(model, "sites", None) is not None:
+            layers = model.layers
+            check(self.node, None if self.info is None else self.info.frame, model.sites, len(layers),
+                  {"layers", layers.path.rsplit(".", 1)[-1]})
         prepared = super().prepare(code)
         warn_raw_output(self)
         return prepared

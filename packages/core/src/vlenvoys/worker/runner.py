@@ -32,7 +32,7 @@ from .tracing import (
     track_only_nnsight_work,
 )
 
-__all__ = ["StandardRunner", "StandardWorker", "replays_graphs"]
+__all__ = ["StandardRunner", "StandardWorker", "replays_graphs", "runs_a_block"]
 
 
 class StandardWorker:
@@ -85,6 +85,13 @@ class StandardRunner:
             super(NNsightGPUModelRunner, self)._update_states(scheduler_output)
         self.vlenvoys_spans = step_spans(self, scheduler_output)
         plan_step(self, scheduler_output, self.vlenvoys_spans)
+        self.vlenvoys_eager_step = runs_a_block(requests)
+
+    def _determine_batch_execution_and_padding(self, *args: Any, force_eager: bool = False, **kwargs: Any) -> Any:
+        # A step that runs a trace's block (or an installed edit) runs eagerly: a replayed graph would run none of
+        # its reads and edits (#48). Steps of plain, collected and steered requests alone keep their graphs.
+        force_eager = force_eager or getattr(self, "vlenvoys_eager_step", False)
+        return super()._determine_batch_execution_and_padding(*args, force_eager=force_eager, **kwargs)
 
     def execute_model(self, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -92,6 +99,7 @@ class StandardRunner:
         finally:
             # A forward outside a step (a warm-up) reads nothing, and eagerly steers nothing.
             self.vlenvoys_spans = []
+            self.vlenvoys_eager_step = False
             steerer = getattr(self, "vlenvoys_steerer", None)
             if steerer is not None:
                 steerer.active = set()
@@ -130,6 +138,13 @@ class StandardRunner:
             # steering hooks must be in the forward by then, on every block (`Steerer`).
             if unsteerable(model) is None:
                 self.vlenvoys_steerer = Steerer(self, every_block=True)
+
+
+def runs_a_block(requests: Any) -> bool:
+    """Whether nnsight's ``requests`` (the runner's ``nnsight_requests``) hold a block that runs in this step: a
+    trace's (its mediator) or an installed edit's copy. Only requests carrying nnsight work are tracked
+    (`track_only_nnsight_work`), and a finished one leaves at its harvest."""
+    return any(request.mediator is not None or request.copies for request in requests.requests.values())
 
 
 def replays_graphs(runner: Any) -> bool:
