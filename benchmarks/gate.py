@@ -19,7 +19,9 @@ against plain prefill, beside engine_plain (the vlenvoys engine's own plain
 prefill, no floor: the ceiling of the eager engine's rows); graph_steered_all, graph_steered_half and
 graph_steered_none against plain generation; datasets_1e6 against plain
 prefill of the same windows; serve_steered and serve_capture against plain
-completions over HTTP.
+completions over HTTP. Rows run only where ``--rows`` names them (they do not
+fit the gate's 8 minutes): graph_trace3 and graph_trace_empty, traces on the
+graph engine at its declared sites (#48), against plain prefill.
 
 Writes ``benchmarks/results/gate-<commit>-<card>.json`` (keys ``commit``,
 ``card``, ``vllm``, ``rows``: each ``{ours, baseline, ratio, spread, floor}``,
@@ -70,6 +72,8 @@ class Row:
     ours: str
     baseline: str
     what: str
+    #: Run by default; a row that is not runs only where ``--rows`` names it (the gate's 8 minutes hold the rest).
+    default: bool = True
 
 
 #: The gate's rows, in the order they run within a round (a group's baseline runs first).
@@ -81,6 +85,10 @@ ROWS: dict[str, Row] = {
     "trace3": Row("prefill", "vl.trace3", "plain.prefill", "a trace reading layer_output at 3 blocks, 64 invokes a trace"),
     "trace_empty": Row("prefill", "vl.trace_empty", "plain.prefill", "a trace reading nothing, 64 invokes a trace"),
     "graph_collect": Row("prefill", "vg.collect", "plain.prefill", "graph engine: vlenvoys.collect, layer_output at 3 blocks"),
+    "graph_trace3": Row("prefill", "vg.trace3", "plain.prefill",
+                        "graph engine: a trace reading layer_output at 3 declared blocks, 64 invokes a trace", default=False),
+    "graph_trace_empty": Row("prefill", "vg.trace_empty", "plain.prefill",
+                             "graph engine: a trace reading nothing, 64 invokes a trace", default=False),
     "graph_steered_all": Row("generate", "vg.steered_all", "plain.generate", "graph engine: vlenvoys.generate, every request steered"),
     "graph_steered_half": Row("generate", "vg.steered_half", "plain.generate", "graph engine: every other request steered"),
     "graph_steered_none": Row("generate", "vg.steered_none", "plain.generate", "graph engine: vlenvoys.generate, none steered"),
@@ -292,7 +300,9 @@ def measure(args: argparse.Namespace) -> dict:
     if cuda:
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # the offline GPU bundle ships no flashinfer
     work = SMOKE if args.smoke else Workloads()
-    names = [name for name in ROWS if name in (args.rows or ROWS)]
+    names = [name for name, row in ROWS.items() if name in args.rows] if args.rows else [
+        name for name, row in ROWS.items() if row.default
+    ]
     if args.no_serve:
         names = [name for name in names if ROWS[name].group != "serve"]
     groups = {ROWS[name].group for name in names}
@@ -327,7 +337,7 @@ def measure(args: argparse.Namespace) -> dict:
         engines["plain"] = LLM(path, **sized)  # vLLM's defaults otherwise: torch.compile and CUDA graphs on a GPU
         engines["vl"] = vlenvoys.load(path, **sized)
         if groups & {"prefill", "generate"} and any(name.startswith("graph_") for name in names):
-            engines["vg"] = vlenvoys.load(path, cuda_graphs=True, **sized)
+            engines["vg"] = vlenvoys.load(path, cuda_graphs=True, sites={"layer_output": "all"}, **sized)
         urls = servers.wait() if servers is not None else {}
         print(f"engines up in {time.perf_counter() - began:.0f} s", flush=True)
         plain, vl, vg = engines["plain"], engines["vl"], engines.get("vg")
@@ -371,6 +381,8 @@ def measure(args: argparse.Namespace) -> dict:
             ("prefill", "vl.trace3", work.prefill, "prompts/s", lambda: traced(vl, prefill, standard_reads, batch=work.per_trace)),
             ("prefill", "vl.trace_empty", work.prefill, "prompts/s", lambda: traced(vl, prefill, no_reads, batch=work.per_trace)),
             ("prefill", "vg.collect", work.prefill, "prompts/s", lambda: collect(vg, prefill, "layer_output", layers)),
+            ("prefill", "vg.trace3", work.prefill, "prompts/s", lambda: traced(vg, prefill, standard_reads, batch=work.per_trace)),
+            ("prefill", "vg.trace_empty", work.prefill, "prompts/s", lambda: traced(vg, prefill, no_reads, batch=work.per_trace)),
             ("generate", "plain.generate", work.generate * work.tokens, "tokens/s", lambda: requests(plain, generate, work.tokens, False)),
             *[("generate", f"vg.steered_{key}", work.generate * work.tokens, "tokens/s",
                lambda each=each: vlenvoys.generate(vg, generate, every_step, steering=each, use_tqdm=False))
