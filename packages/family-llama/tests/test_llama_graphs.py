@@ -10,6 +10,7 @@ replays (GPU_RESULTS.md).
 from __future__ import annotations
 
 import linecache
+import types
 
 import pytest
 import torch
@@ -152,21 +153,33 @@ def test_a_trace_reads_declared_sites_on_every_step_as_the_eager_engine(subject,
 @pytest.mark.parametrize(
     "body, refused",
     [
-        ("model.layers[0].self_attn.attention_output.save()", "model.layers\\[0\\] attention_output is not a declared site"),
-        ("model.layers[1].mlp.mlp_output.save()", "model.layers\\[1\\] mlp_output is not a declared site"),
+        ("model.layers[0].self_attn.attention_output.save()", "model.layers\\[0\\].attention_output is not a declared site"),
+        ("model.layers[1].mlp.mlp_output.save()", "model.layers\\[1\\].mlp_output is not a declared site"),
         ("model.layers[1].output.save()", "\\.output is a module's raw value"),
         ("[model.layers[i].self_attn.attention_output.save() for i in range(3)]", "cannot tell before the trace runs"),
-        ("model.attentions_output[2].save()", "model.layers\\[2\\] attention_output is not a declared site"),
-        ("model.layers[block].self_attn.attention_output.save()", "model.layers\\[2\\] attention_output"),
+        ("model.attentions_output[2].save()", "model.layers\\[2\\].attention_output is not a declared site"),
+        ("model.layers[block].self_attn.attention_output.save()", "model.layers\\[2\\].attention_output"),
         ("model.steer(block, torch.ones(model.hidden_size))", None),
-        ("helper(model)", "in .*helper .*attention_output is read at a block this check cannot tell"),
+        ("helper(model)", "in _helper .*test_llama_graphs.py\\), line [0-9]+: attention_output is read at a block"),
+        ("reader.read(model)", "in Reader.read .*model.layers\\[0\\].attention_output is not a declared site"),
+        ("opaque(model)", "opaque is handed the model or one of its modules, and its source cannot be read"),
+        ("(lambda block: model.layers[block].self_attn.attention_output.save())(1)", "cannot tell"),
+        ("model.layers[7].layer_output.save()", "block 7 is outside the model's 3 blocks"),
+        ("model.output.save()", "\\.output is a module's raw value"),
+        ("model.attentions_output[1].save()", None),
+        ("model.steer(layers=[0, 2], steering_vector=torch.ones(model.hidden_size))", None),
+        ("out.layer_output = model.layers[2].layer_output.save()", None),
+        ("[layer.layer_output.save() for layer in model.layers]", None),
     ],
 )
 def test_an_undeclared_site_is_refused_by_name_before_anything_is_sent(graph_engine, sent, body, refused):
     """#48: a trace reaching a site the engine did not declare is refused, naming it and the declaration, before any
     of its requests is sent; what is declared at every block may be read at any block however it is named."""
     block = 2  # noqa: F841 (read by the checked trace's frame)
-    namespace = {"model": graph_engine, "torch": torch, "block": block, "helper": _helper}
+    opaque = {}
+    exec("def opaque(model):\n    return model.layers[0].self_attn.attention_output.save()\n", opaque)  # no source to read
+    namespace = {"model": graph_engine, "torch": torch, "block": block, "helper": _helper, "reader": Reader(),
+                 "opaque": opaque["opaque"], "out": types.SimpleNamespace()}
     source = f"with model.trace([1, 2, 3]) as tracer:\n    {body}\n"
     name = f"<trace {len(linecache.cache)}>"  # nnsight reads a block's source through linecache
     linecache.cache[name] = (len(source), None, source.splitlines(keepends=True), name)
@@ -176,12 +189,25 @@ def test_an_undeclared_site_is_refused_by_name_before_anything_is_sent(graph_eng
         return
     with pytest.raises(ValueError, match=refused) as error:
         exec(compile(source, name, "exec"), namespace)
-    assert "declared: layer_output at every block; attention_output at block 1" in str(error.value)
+    if "handed" not in refused and "outside" not in refused:
+        assert "declared: layer_output at every block; attention_output at block 1" in str(error.value)
     assert sent[0] == 0
 
 
 def _helper(model):
     return [model.layers[i].self_attn.attention_output.save() for i in range(3)]
+
+
+class Reader:
+    def read(self, model):
+        return model.layers[0].self_attn.attention_output.save()
+
+
+def test_an_installed_edit_is_refused_on_the_graph_engine(graph_engine):
+    """model.edit() would run its block on every request, so every step would lose its graphs."""
+    with pytest.raises(NotImplementedError, match="model.edit\\(\\) installs a block every request runs"):
+        with graph_engine.edit() as (tracer, edit):
+            graph_engine.layers[0].layer_output.save()
 
 
 def test_values_declared_at_every_block_are_read_however_the_block_is_named(graph_engine, sent):

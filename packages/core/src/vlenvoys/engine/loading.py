@@ -109,7 +109,7 @@ def load(
         model = smollm2_path()
     model = str(model)
     installed, name, architecture = resolve_checkpoint(model, engine_kwargs)
-    declared_sites = None if sites is None else declared(sites, block_count(model))
+    declared_sites = None if sites is None else declared(sites, block_count(model, engine_kwargs.get("hf_overrides")))
     model_runner()
     engine_defaults(model, engine_kwargs)
     # On, as on stock vLLM: plain requests share cached prefixes; traced, collected and steered
@@ -127,8 +127,11 @@ def load(
     return loaded
 
 
-def block_count(model: str) -> int:
-    """How many decoder blocks checkpoint ``model`` has, read from its config before any engine starts."""
+def block_count(model: str, overrides: Any = None) -> int:
+    """How many decoder blocks checkpoint ``model`` has, read from its config before any engine starts (or from
+    vLLM's ``hf_overrides``, where a dict of them names ``num_hidden_layers``)."""
+    if isinstance(overrides, dict) and isinstance(overrides.get("num_hidden_layers"), int):
+        return overrides["num_hidden_layers"]
     config = config_of(model)
     if isinstance(config, dict):
         text = config.get("text_config") or config

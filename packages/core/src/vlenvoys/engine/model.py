@@ -27,6 +27,7 @@ from ..values.family import Architecture, InstalledFamily
 from ..values.layouts import Checked, Derived, Residual, argument, checked_tensor
 from ..values.names import OWNERS, hint
 from ..values.parallel import gather_vocab
+from ..wire.requests import PRIVATE
 from ..wire.shm import engine_named
 from .processes import (
     interrupts_held_while_starting,
@@ -223,6 +224,22 @@ class StandardizedVLLM(VLLM):
     # Not `generate`: nnsight tells `with model.generate(...)` from a plain call by
     # reading its caller's frame, which a wrapper here would hide. Its trace goes
     # through `trace` above, its plain run through `_generate`.
+    def edit(self, *args: Any, name: str | None = None, **kwargs: Any) -> Any:
+        """nnsight's ``model.edit()``: a block installed on the engine, run on every request that names none.
+
+        Raises:
+            NotImplementedError: on an engine that replays CUDA graphs
+                (``cuda_graphs=True``), where a step runs a block only eagerly,
+                so an installed edit would take the graphs from every request.
+        """
+        if self.cuda_graphs and not (name or "").startswith(PRIVATE):  # vlenvoys.collect's own run on its requests
+            raise NotImplementedError(
+                "model.edit() installs a block every request runs, and this engine runs a step with a block eagerly "
+                "(vlenvoys.load(..., cuda_graphs=True)): every step would lose its graphs; edit on an engine loaded "
+                "without cuda_graphs, or write the edit in each trace"
+            )
+        return super().edit(*args, name=name, **kwargs)
+
     def _generate(self, *inputs: Any, progress: bool = False, **kwargs: Any) -> Any:
         """nnsight's plain ``model.generate(prompts, **sampling)``; vLLM's progress bars with ``progress=True`` only."""
         self._check_running()

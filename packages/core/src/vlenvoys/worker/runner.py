@@ -32,7 +32,7 @@ from .tracing import (
     track_only_nnsight_work,
 )
 
-__all__ = ["StandardRunner", "StandardWorker", "replays_graphs", "runs_a_block"]
+__all__ = ["StandardRunner", "StandardWorker", "replays_graphs"]
 
 
 class StandardWorker:
@@ -79,16 +79,20 @@ class StandardRunner:
             carries_nnsight_work(data.sampling_params) for data in scheduler_output.scheduled_new_reqs
         ):
             super()._update_states(scheduler_output)
+            # nnsight's `scope` has just listed the workers this step runs: scheduled, and not finished (or keeping
+            # caches, or erred). A trace whose block is done (read at the prefill) leaves the graphs to the rest.
+            eager = bool(self.nnsight_model.interleaver.mediators)
         else:
+            eager = False
             # No block in flight or installed, none arriving: nnsight's bookkeeping (its harvest, its spans of
             # every request, its scope of no workers) would find nothing to do. vLLM's own states only.
             super(NNsightGPUModelRunner, self)._update_states(scheduler_output)
         self.vlenvoys_spans = step_spans(self, scheduler_output)
         plan_step(self, scheduler_output, self.vlenvoys_spans)
-        self.vlenvoys_eager_step = runs_a_block(requests)
+        self.vlenvoys_eager_step = eager
 
     def _determine_batch_execution_and_padding(self, *args: Any, force_eager: bool = False, **kwargs: Any) -> Any:
-        # A step that runs a trace's block (or an installed edit) runs eagerly: a replayed graph would run none of
+        # A step that runs a block (a trace's, an installed edit's) runs eagerly: a replayed graph would run none of
         # its reads and edits (#48). Steps of plain, collected and steered requests alone keep their graphs.
         force_eager = force_eager or getattr(self, "vlenvoys_eager_step", False)
         return super()._determine_batch_execution_and_padding(*args, force_eager=force_eager, **kwargs)
@@ -138,13 +142,6 @@ class StandardRunner:
             # steering hooks must be in the forward by then, on every block (`Steerer`).
             if unsteerable(model) is None:
                 self.vlenvoys_steerer = Steerer(self, every_block=True)
-
-
-def runs_a_block(requests: Any) -> bool:
-    """Whether nnsight's ``requests`` (the runner's ``nnsight_requests``) hold a block that runs in this step: a
-    trace's (its mediator) or an installed edit's copy. Only requests carrying nnsight work are tracked
-    (`track_only_nnsight_work`), and a finished one leaves at its harvest."""
-    return any(request.mediator is not None or request.copies for request in requests.requests.values())
 
 
 def replays_graphs(runner: Any) -> bool:
