@@ -22,7 +22,7 @@ from ..errors import InvalidWrite, ReadOnly, SkipRefused, Unavailable, UnknownAr
 from ..serve import server
 from ..values.envoys import block_index
 from ..values.family import families as installed_families
-from ..values.names import KINDS, OWNERS, nearest
+from ..values.names import KINDS, OWNERS, choices
 from ..values.support import support as support_of
 from ..weights import smollm2_path
 from .lens import logit_lens
@@ -100,9 +100,7 @@ def value_list(text: str) -> list[str]:
     names = [each.strip() for each in text.split(",") if each.strip()]
     for name in names:
         if name not in OWNERS:
-            close = nearest(name)
-            guess = f"did you mean {close!r}? " if close else ""
-            raise typer.BadParameter(f"{name!r} is not a block value; {guess}the values are {', '.join(OWNERS)}")
+            raise typer.BadParameter(f"{name!r} is not a block value; {choices(name)}")
     return names
 
 

@@ -32,7 +32,7 @@ from typing import Any
 from nnsight.intervention.envoy import Envoy
 
 from ..errors import NoSuchBlock
-from ..values.names import OWNERS, nearest
+from ..values.names import OWNERS, choices
 
 __all__ = ["EVERY_BLOCK", "LAYER_LISTS", "RAW_VALUES", "Sites", "check", "declared"]
 
@@ -75,9 +75,7 @@ def declared(sites: Mapping[str, Any], blocks: int) -> dict[str, frozenset[int]]
     resolved: dict[str, frozenset[int]] = {}
     for value, where in sites.items():
         if value not in OWNERS:
-            close = nearest(str(value))
-            guess = f"did you mean {close!r}? " if close else ""
-            raise ValueError(f"sites: {value!r} is not a standard block value; {guess}the values are {', '.join(OWNERS)}")
+            raise ValueError(f"sites: {value!r} is not a standard block value; {choices(str(value))}")
         if where == EVERY_BLOCK:
             resolved[value] = frozenset(range(blocks))
             continue

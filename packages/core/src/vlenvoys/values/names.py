@@ -17,8 +17,10 @@ __all__ = [
     "TRANSFORMER_LENS_NOTES",
     "VALUES",
     "Read",
+    "choices",
     "envoy_of",
     "hint",
+    "nearest",
     "standard_name",
     "transformer_lens_name",
     "where",
@@ -85,6 +87,12 @@ def nearest(name: str) -> str | None:
     """The standard value name closest to ``name`` (difflib's closest match), or None when none is close."""
     close = difflib.get_close_matches(name, list(OWNERS), n=1)
     return close[0] if close else None
+
+
+def choices(name: str) -> str:
+    """What to tell a user who named ``name``, no standard value: ``did you mean 'x'? the values are ...``."""
+    close = nearest(name)
+    return f"{f'did you mean {close!r}? ' if close else ''}the values are {', '.join(OWNERS)}"
 
 
 def where(value: str) -> str:
