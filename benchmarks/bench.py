@@ -492,6 +492,9 @@ SIZES: dict[str, dict[str, int]] = {
     },
     "tiny": {},
 }
+#: Llama-3.1-8B's shape, for the gate's 8b rows (#48): drawn by vLLM on the device (`load_format="dummy"`), never saved.
+SHAPE_8B = {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "head_dim": 128, "intermediate_size": 14336, "vocab_size": 128256, "rope_theta": 500000.0}
 MAX_MODEL_LEN = 1024
 TOKENS = 64  # generated per prompt, every one steered
 # --paired: a longer generation (about 1.5 s of plain vLLM on an H200), and each engine's share of the GPU.
@@ -559,6 +562,29 @@ def cuda_checkpoint(size: str) -> Path:
     # tiny_model's 256 positions are fewer than a 120-word prompt and its 64 generated tokens may need.
     shape = SIZES[size] | {"max_position_embeddings": MAX_MODEL_LEN}
     return tiny_model("LlamaForCausalLM", root / f"bench-llama-{size}-bfloat16", dtype="bfloat16", **shape)
+
+
+def shaped_checkpoint(shape: dict, name: str) -> Path:
+    """A folder with a Llama config of ``shape`` in bfloat16 and the tiny tokenizer, and no weights: load it with
+    ``load_format="dummy"`` (vLLM draws the weights where the model lives, in seconds on a GPU)."""
+    import json
+    import shutil
+
+    from vlenvoys_testing import tiny_model
+
+    root = Path(os.environ.get("VLENVOYS_CACHE") or Path.home() / ".cache" / "vlenvoys").expanduser()
+    source = tiny_model("LlamaForCausalLM", root / "bench-llama-tokenizer", num_hidden_layers=1,
+                        max_position_embeddings=MAX_MODEL_LEN)
+    folder = root / f"bench-llama-{name}-shape"
+    config = json.loads((source / "config.json").read_text()) | shape | {"dtype": "bfloat16", "torch_dtype": "bfloat16"}
+    if folder.is_dir() and json.loads((folder / "config.json").read_text()) == config:
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    for file in source.iterdir():
+        if file.name.startswith("tokenizer") or file.name in ("special_tokens_map.json", "generation_config.json"):
+            shutil.copy(file, folder / file.name)
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    return folder
 
 
 def requests(llm, texts, tokens, detokenize=True):

@@ -21,7 +21,15 @@ graph_steered_none against plain generation; datasets_1e6 against plain
 prefill of the same windows; serve_steered and serve_capture against plain
 completions over HTTP. Rows run only where ``--rows`` names them (they do not
 fit the gate's 8 minutes): graph_trace3 and graph_trace_empty, traces on the
-graph engine at its declared sites (#48), against plain prefill.
+graph engine at its declared sites (#48), and taps_trace3, raw nnsight's taps=
+on the same workload, against plain prefill; and the peers' workload on a
+model of Llama-3.1-8B's shape whose weights vLLM draws on the device (one
+request, a 512-token prompt, 128 generated tokens): 8b_every_layer_reads,
+8b_steer and 8b_steer_generate on the graph engine and taps_8b_every_layer_reads
+on raw nnsight's taps=, against plain generation of that request (run them
+apart: ``--rows 8b_every_layer_reads 8b_steer 8b_steer_generate
+taps_8b_every_layer_reads``, three engines of 16 GB). A trace row records how
+many steps its block reached (``steps_reached``).
 
 Writes ``benchmarks/results/gate-<commit>-<card>.json`` (keys ``commit``,
 ``card``, ``vllm``, ``rows``: each ``{ours, baseline, ratio, spread, floor}``,
@@ -89,12 +97,25 @@ ROWS: dict[str, Row] = {
                         "graph engine: a trace reading layer_output at 3 declared blocks, 64 invokes a trace", default=False),
     "graph_trace_empty": Row("prefill", "vg.trace_empty", "plain.prefill",
                              "graph engine: a trace reading nothing, 64 invokes a trace", default=False),
+    "taps_trace3": Row("prefill", "taps.trace3", "plain.prefill",
+                       "raw nnsight 0.8.1 with taps= at the 3 blocks' outputs (their stream summed), 64 invokes a trace",
+                       default=False),
     "graph_steered_all": Row("generate", "vg.steered_all", "plain.generate", "graph engine: vlenvoys.generate, every request steered"),
     "graph_steered_half": Row("generate", "vg.steered_half", "plain.generate", "graph engine: every other request steered"),
     "graph_steered_none": Row("generate", "vg.steered_none", "plain.generate", "graph engine: vlenvoys.generate, none steered"),
     "datasets_1e6": Row("datasets", "vl.dataset", "plain.windows", "collect_dataset of 1e6 tokens (one block's stream, windows of 128)"),
     "serve_steered": Row("serve", "serve.steered", "serve.plain", "vlenvoys serve --cuda-graphs, every request steered at 2 blocks"),
     "serve_capture": Row("serve", "serve.capture", "serve.plain", "vlenvoys serve --cuda-graphs, every request capturing 2 blocks' stream"),
+    "8b_every_layer_reads": Row("8b", "vg8.every_layer", "plain8.generate",
+                                "8B shape, graph engine: a trace reading layer_output at every block at every step",
+                                default=False),
+    "8b_steer": Row("8b", "vg8.steer", "plain8.generate", "8B shape, graph engine: a trace's model.steer at one block every step",
+                    default=False),
+    "8b_steer_generate": Row("8b", "vg8.steer_generate", "plain8.generate",
+                             "8B shape, graph engine: vlenvoys.generate steered at one block", default=False),
+    "taps_8b_every_layer_reads": Row("8b", "taps8.every_layer", "plain8.generate",
+                                     "8B shape, raw nnsight 0.8.1 with taps= at every block's output (PIECEWISE graphs), "
+                                     "every step", default=False),
 }
 
 
@@ -110,9 +131,15 @@ class Workloads:
     serve_requests: int = 256
     serve_tokens: int = 64
     per_trace: int = 64
+    prompt_8b: int = 512  # the 8b rows: one request of this many prompt tokens...
+    tokens_8b: int = 128  # ...generating this many, greedy, ignore_eos (the peers' published workload)
 
 
-SMOKE = Workloads(prefill=32, generate=8, tokens=8, dataset_tokens=20_000, serve_requests=8, serve_tokens=8)
+SMOKE = Workloads(prefill=32, generate=8, tokens=8, dataset_tokens=20_000, serve_requests=8, serve_tokens=8, prompt_8b=64,
+                  tokens_8b=8)
+#: The smoke run's stand-in for the 8B shape: the same code on a model the CPU engine runs in seconds.
+SMOKE_8B = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+            "intermediate_size": 512, "vocab_size": 128256}
 
 
 def floors_for(card: str, path: Path = FLOORS) -> tuple[dict[str, float], str]:
@@ -286,7 +313,17 @@ def measure(args: argparse.Namespace) -> dict:
     import torch
     import vlenvoys
     import vllm
-    from bench import MAX_MODEL_LEN, cuda_checkpoint, plain_prefill, requests, stop, traced, worker_stats
+    from bench import (
+        MAX_MODEL_LEN,
+        SHAPE_8B,
+        cuda_checkpoint,
+        plain_prefill,
+        requests,
+        shaped_checkpoint,
+        stop,
+        traced,
+        worker_stats,
+    )
     from vlenvoys.activations import collect_dataset, windows
     from vlenvoys.collect import collect
     from vllm import LLM, SamplingParams
@@ -305,6 +342,9 @@ def measure(args: argparse.Namespace) -> dict:
     ]
     if args.no_serve:
         names = [name for name in names if ROWS[name].group != "serve"]
+    if not cuda and any(name.startswith("taps_") for name in names):
+        print("taps rows: left out, nnsight's own worker refuses vLLM's CPU runner (CUDA graphs only)", flush=True)
+        names = [name for name in names if not name.startswith("taps_")]
     groups = {ROWS[name].group for name in names}
     began = time.perf_counter()
     if cuda:
@@ -334,13 +374,35 @@ def measure(args: argparse.Namespace) -> dict:
     try:
         if "serve" in groups:
             servers = Servers(path, cuda, scratch)  # they start while the engines below do
-        engines["plain"] = LLM(path, **sized)  # vLLM's defaults otherwise: torch.compile and CUDA graphs on a GPU
-        engines["vl"] = vlenvoys.load(path, **sized)
+        if groups - {"8b"}:
+            engines["plain"] = LLM(path, **sized)  # vLLM's defaults otherwise: torch.compile and CUDA graphs on a GPU
+            engines["vl"] = vlenvoys.load(path, **sized)
         if groups & {"prefill", "generate"} and any(name.startswith("graph_") for name in names):
             engines["vg"] = vlenvoys.load(path, cuda_graphs=True, sites={"layer_output": "all"}, **sized)
+        if "8b" in groups:
+            path_8b = str(shaped_checkpoint(SMOKE_8B if args.smoke else SHAPE_8B, "8b-smoke" if args.smoke else "8b"))
+            # One request at a time: a small batch limit (the same for all three) keeps the graphs' capture short.
+            sized_8b = sized | {"load_format": "dummy", "max_num_seqs": 8} | ({"kv_cache_memory_bytes": 2 << 30} if cuda else {})
+            engines["plain8"] = LLM(path_8b, **sized_8b)
+            if any(ROWS[name].ours.startswith("vg8.") for name in names):
+                engines["vg8"] = vlenvoys.load(path_8b, cuda_graphs=True, sites={"layer_output": "all"}, **sized_8b)
+        # Last: nnsight's taps= turn vLLM's breakable graphs on through this process's environment (restored after each),
+        # with PIECEWISE graphs only, so that a decode step passes the taps too (a FULL graph's replay runs none).
+        taps = {"taps_trace3": ("taps", path, sized, [f"model.layers.{i}.output" for i in layers]),
+                "taps_8b_every_layer_reads": ("taps8", path_8b if "8b" in groups else "", sized_8b if "8b" in groups else {},
+                                              ["model.layers.*.output"])}
+        for name, (key, where, kwargs, sites) in taps.items():
+            if name in names:
+                from nnsight.modeling.vllm import VLLM
+
+                environ = dict(os.environ)
+                engines[key] = VLLM(where, dispatch=True, taps=sites, compilation_config={"cudagraph_mode": "PIECEWISE"},
+                                    **kwargs)
+                os.environ.clear()
+                os.environ.update(environ)
         urls = servers.wait() if servers is not None else {}
         print(f"engines up in {time.perf_counter() - began:.0f} s", flush=True)
-        plain, vl, vg = engines["plain"], engines["vl"], engines.get("vg")
+        plain, vl, vg = engines.get("plain"), engines.get("vl"), engines.get("vg")
         every_step = SamplingParams(temperature=0.0, max_tokens=work.tokens, ignore_eos=True, detokenize=False)
         steering = vlenvoys.Steering(steer_layer, vector)
         half = [steering if number % 2 == 0 else None for number in range(len(generate))]
@@ -351,6 +413,47 @@ def measure(args: argparse.Namespace) -> dict:
         def no_reads(model):
             return []
 
+        def raw_reads(model):
+            out = []
+            for i in layers:
+                hidden, residual = model.model.layers[i].output
+                out.append((hidden + residual).clone())
+            return out
+
+        # The 8b rows (#48): one request of prompt_8b token ids generating tokens_8b, read or steered at every step.
+        blocks_8b = (SMOKE_8B if args.smoke else SHAPE_8B)["num_hidden_layers"]
+        ids_8b = torch.randint(4, 512, (work.prompt_8b,), generator=torch.Generator().manual_seed(4)).tolist()  # tokenizer's ids
+        vector_8b = torch.randn((SMOKE_8B if args.smoke else SHAPE_8B)["hidden_size"]) * 4
+        steer_8b = blocks_8b // 2
+        one_request = SamplingParams(temperature=0.0, max_tokens=work.tokens_8b, ignore_eos=True, detokenize=False)
+        reached: dict[str, int] = {}  # the fewest steps a block of a row's trace reached, over all its runs
+
+        def every_block(model):
+            return [model.layers[i].layer_output for i in range(blocks_8b)]
+
+        def every_block_raw(model):
+            out = []
+            for i in range(blocks_8b):
+                hidden, residual = model.model.layers[i].output
+                out.append((hidden + residual).clone())
+            return out
+
+        def steer_8b_block(model, vector):
+            model.steer(steer_8b, vector)
+            return 1
+
+        def each_step(key: str, model, body, *args) -> Callable[[], None]:
+            """A trace of the one request that runs ``body(model, *args)`` at every step, counting the steps it reached."""
+            def run() -> None:
+                with model.trace(ids_8b, temperature=0.0, max_tokens=work.tokens_8b, ignore_eos=True,
+                                 detokenize=False) as tracer:
+                    kept = list().save()
+                    moved = [arg.to("cuda" if cuda else "cpu") for arg in args]
+                    for _ in tracer.iter[0 : work.tokens_8b]:
+                        kept.append(body(model, *moved))
+                reached[key] = min(reached.get(key, work.tokens_8b), len(kept))
+            return run
+
         # The datasets row's corpus: documents that make dataset_tokens tokens of windows, cut as collect_dataset cuts them.
         documents: list[str] = []
         cut: list[list[int]] = []
@@ -359,7 +462,7 @@ def measure(args: argparse.Namespace) -> dict:
                 documents += prompts(2000, 20, 400, seed=len(documents))
                 cut = list(windows(documents, vl.tokenizer, work.context_length))
             cut = cut[: work.dataset_tokens // work.context_length]
-        in_flight = vl.vllm_entrypoint.llm_engine.vllm_config.scheduler_config.max_num_seqs
+        in_flight = vl.vllm_entrypoint.llm_engine.vllm_config.scheduler_config.max_num_seqs if vl is not None else 0
 
         def dataset() -> None:
             folder = scratch / "dataset"
@@ -383,9 +486,11 @@ def measure(args: argparse.Namespace) -> dict:
             ("prefill", "vg.collect", work.prefill, "prompts/s", lambda: collect(vg, prefill, "layer_output", layers)),
             ("prefill", "vg.trace3", work.prefill, "prompts/s", lambda: traced(vg, prefill, standard_reads, batch=work.per_trace)),
             ("prefill", "vg.trace_empty", work.prefill, "prompts/s", lambda: traced(vg, prefill, no_reads, batch=work.per_trace)),
+            ("prefill", "taps.trace3", work.prefill, "prompts/s",
+             lambda: traced(engines["taps"], prefill, raw_reads, batch=work.per_trace)),
             ("generate", "plain.generate", work.generate * work.tokens, "tokens/s", lambda: requests(plain, generate, work.tokens, False)),
             *[("generate", f"vg.steered_{key}", work.generate * work.tokens, "tokens/s",
-               lambda each=each: vlenvoys.generate(vg, generate, every_step, steering=each, use_tqdm=False))
+               lambda each=each: vlenvoys.generate(vg, generate, every_step, steering=each, progress=False))
               for key, each in (("all", steering), ("half", half), ("none", None))],
             ("datasets", "plain.windows", len(cut) * work.context_length, "tokens/s",
              lambda: plain_prefill(plain, cut, in_flight, detokenize=False)),
@@ -393,6 +498,15 @@ def measure(args: argparse.Namespace) -> dict:
             ("serve", "serve.plain", work.serve_requests * work.serve_tokens, "tokens/s", served("plain", 0, "plain")),
             ("serve", "serve.steered", work.serve_requests * work.serve_tokens, "tokens/s", served("steered", 1, "ours")),
             ("serve", "serve.capture", work.serve_requests * work.serve_tokens, "tokens/s", served("capturing", 1, "ours")),
+            ("8b", "plain8.generate", work.tokens_8b, "tokens/s",
+             lambda: engines["plain8"].generate([{"prompt_token_ids": ids_8b}], one_request, use_tqdm=False)),
+            ("8b", "vg8.every_layer", work.tokens_8b, "tokens/s", each_step("vg8.every_layer", engines.get("vg8"), every_block)),
+            ("8b", "vg8.steer", work.tokens_8b, "tokens/s", each_step("vg8.steer", engines.get("vg8"), steer_8b_block, vector_8b)),
+            ("8b", "vg8.steer_generate", work.tokens_8b, "tokens/s",
+             lambda: vlenvoys.generate(engines["vg8"], [ids_8b], one_request, steering=vlenvoys.Steering(steer_8b, vector_8b),
+                                       progress=False)),
+            ("8b", "taps8.every_layer", work.tokens_8b, "tokens/s",
+             each_step("taps8.every_layer", engines.get("taps8"), every_block_raw)),
         ]
         wanted = {ROWS[name].ours for name in names} | {ROWS[name].baseline for name in names}
         runs = [run for run in runs if run[1] in wanted]
@@ -421,6 +535,12 @@ def measure(args: argparse.Namespace) -> dict:
                   + ("" if not number else ": " + ", ".join(f"{name} {row['ratio']:.3f}" for name, row in line.items())),
                   flush=True)
         rows = summarize(seconds, beside, amounts, units, names)
+        for name, row in rows.items():  # a trace whose block missed steps ran less than the row's workload: said
+            if ROWS[name].ours in reached:
+                row["steps_reached"] = f"{reached[ROWS[name].ours]}/{work.tokens_8b}"
+                if reached[ROWS[name].ours] < work.tokens_8b:
+                    print(f"{name}: its block reached {row['steps_reached']} steps only: its rate is not every step's",
+                          flush=True)
         # Where the worker's time in collections went over the counted and warm-up rounds (`vlenvoys.worker.collector.Spent`).
         worker = {name: {key: worker_stats(engines[name])[key] - before[key] for key in before}
                   for name, before in worker_before.items()}

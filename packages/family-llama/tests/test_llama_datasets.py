@@ -68,7 +68,7 @@ def stored_as(got: torch.Tensor, full: torch.Tensor, dtype: torch.dtype) -> bool
 
 def engine_is_idle(model) -> bool:
     engine = model.vllm_entrypoint.llm_engine
-    return not engine.has_unfinished_requests() and engine.collective_rpc("nnsight_request_count") == [0]
+    return not engine.has_unfinished_requests() and not any(engine.collective_rpc("nnsight_request_count"))  # each rank's
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +108,28 @@ def test_shards_equal_transformers_and_collect(subject, full_run):
                 assert tensor.dtype == torch.float32
                 assert same_rows(tensor, by_collect[f"{value}.{layer}"][index][0], subject), (value, layer, index)
                 assert close(subject, f"dataset: {value}", tensor, expected[value][layer][0]), (value, layer, index)
+    assert engine_is_idle(model)
+
+
+@pytest.mark.parametrize("subject", ["Qwen2ForCausalLM-kv1-tp2"], indirect=True)
+def test_shards_of_a_two_rank_engine_equal_transformers(subject, tmp_path):
+    """Tensor parallelism (#51): a dataset collected on two ranks (heads and neurons split, the one key/value head
+    copied on both) holds transformers' values, as one rank's does (`test_shards_equal_transformers_and_collect`)."""
+    model, last = subject.model, subject.model.num_layers - 1
+    source = corpus_file(tmp_path)
+    written = collect_dataset(model, source, tmp_path / "acts", VALUES, [0, last], context_length=CONTEXT, dtype="float32",
+                              progress=False)
+    cut = list(windows(documents(source), model.tokenizer, CONTEXT))
+    assert written.complete and len(written) == len(cut) * CONTEXT
+    got = rows(tmp_path / "acts")
+    assert got["token_ids"].tolist() == [token for window in cut for token in window]
+    for index, window in enumerate(cut):
+        expected = oracle.reference(subject.reference, window, subject.layout)["values"]
+        span = slice(index * CONTEXT, (index + 1) * CONTEXT)
+        for value in VALUES:
+            for layer in (0, last):
+                tensor = got[f"{value}.{layer}"][span]
+                assert close(subject, f"dataset on two ranks: {value}", tensor, expected[value][layer][0]), (value, layer, index)
     assert engine_is_idle(model)
 
 
