@@ -18,7 +18,9 @@ the methods it passes through, and the phases' medians over all traces are print
 - ``rest``: what is left of the trace's wall time (the exit, its pushes).
 
 ``--spy DIR`` also samples the client and the engine core with py-spy over one more run of the trace
-reading nothing (collapsed stacks, ``DIR/trace_empty.{client,core}.txt``).
+reading nothing (collapsed stacks, ``DIR/trace_empty.{client,core}.txt``). ``--idle N`` starts N more
+plain vLLM engines that serve nothing, as the gate has engines and servers up beside each row: whether
+the trace's client work slows with them (the trace rows measured 0.30 in the full gate, 0.40 alone).
 """
 
 from __future__ import annotations
@@ -121,6 +123,7 @@ def main() -> None:
     parser.add_argument("--per-trace", type=int, default=64, help="invokes a trace, and plain vLLM's slices")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds after a warm-up round")
     parser.add_argument("--spy", type=Path, help="py-spy's samples of one more trace_empty run into this folder")
+    parser.add_argument("--idle", type=int, default=0, help="more plain vLLM engines up, serving nothing")
     args = parser.parse_args()
 
     import torch
@@ -148,6 +151,7 @@ def main() -> None:
     instrument(timeline)
     plain = LLM(path, **sized)
     model = vlenvoys.load(path, **sized)
+    idle = [LLM(path, **sized) for _ in range(args.idle)]
     timeline.wrap_core(model.vllm_entrypoint.llm_engine)
     count = model.config.num_hidden_layers
     layers = sorted({count // 4, count // 2, 3 * count // 4})
@@ -186,7 +190,8 @@ def main() -> None:
                 seconds[name].append(took)
                 phases[name].extend(timeline.traces)
     base = statistics.median(seconds["plain, all at once"])
-    print(f"\n{args.prompts} prompts of 16-120 words, {per} a trace, {'GPU ' + torch.cuda.get_device_name() if cuda else 'CPU'}")
+    print(f"\n{args.prompts} prompts of 16-120 words, {per} a trace, {'GPU ' + torch.cuda.get_device_name() if cuda else 'CPU'}, "
+          f"{args.idle} idle engines beside")
     print(f"{'run':28} {'s':>7} {'ms/prompt':>10} {'of plain':>9}")
     for name, taken in seconds.items():
         median = statistics.median(taken)
@@ -221,8 +226,8 @@ def main() -> None:
                 sampler.send_signal(2)
                 sampler.wait(30)
             print(f"py-spy: {args.spy}/trace_empty.*.txt")
-    stop(model)
-    stop(plain)
+    for engine in (model, plain, *idle):
+        stop(engine)
 
 
 if __name__ == "__main__":

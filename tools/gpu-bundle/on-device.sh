@@ -2,6 +2,7 @@
 # On the lent GPU machine, from the repo root: the steps after the bundle's pieces have travelled.
 #
 #   call 1 (carry .gpu/piece0):                 mkdir -p /tmp/b && cp .gpu/piece0/* /tmp/b/
+#   (another vLLM's bundle, built into .gpu-033: carry .gpu-033/piece0 and .gpu-033/piece1, and set BUNDLE=.gpu-033)
 #   call 2 within 30 s (carry .gpu/piece1, .gpu/extras, .dev):
 #                                               bash tools/gpu-bundle/on-device.sh install
 #   later calls (carry .dev):                   bash tools/gpu-bundle/on-device.sh gate [gate.py arguments]
@@ -18,7 +19,7 @@ export PYTHONPATH=/tmp/site:/tmp/extra VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_V2
 case "${1:-}" in
 install)
   if [ ! -d /tmp/site/vllm ]; then
-    cp .gpu/piece1/* /tmp/b/
+    cp "${BUNDLE:-.gpu}"/piece1/* /tmp/b/
     bash /tmp/b/install.sh /tmp/b
     [ ! -d .gpu/extras ] || SITE=/tmp/site bash benchmarks/gpu-extras.sh install .gpu/extras
   fi
