@@ -564,6 +564,16 @@ def cuda_checkpoint(size: str) -> Path:
     return tiny_model("LlamaForCausalLM", root / f"bench-llama-{size}-bfloat16", dtype="bfloat16", **shape)
 
 
+def raw_streams(model, layers) -> list:
+    """Raw nnsight's read of each block's residual stream at ``layers``: vLLM's (hidden, residual) summed, cloned
+    (the next step overwrites the buffers)."""
+    out = []
+    for i in layers:
+        hidden, residual = model.model.layers[i].output
+        out.append((hidden + residual).clone())
+    return out
+
+
 def shaped_checkpoint(shape: dict, name: str) -> Path:
     """A folder with a Llama config of ``shape`` in bfloat16 and the tiny tokenizer, and no weights: load it with
     ``load_format="dummy"`` (vLLM draws the weights where the model lives, in seconds on a GPU)."""
@@ -911,11 +921,7 @@ def cuda_suite(args) -> None:
         return [model.layers[i].layer_output for i in layers]
 
     def raw_reads(model):
-        out = []
-        for i in layers:
-            hidden, residual = model.model.layers[i].output
-            out.append((hidden + residual).clone())
-        return out
+        return raw_streams(model, layers)
 
     # What runs in the blocks is named functions, not lambdas: nnsight ships a function of this script by its
     # source, and a lambda's source inside a call spanning lines costs a parse of this whole file per request.

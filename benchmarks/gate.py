@@ -318,6 +318,7 @@ def measure(args: argparse.Namespace) -> dict:
         SHAPE_8B,
         cuda_checkpoint,
         plain_prefill,
+        raw_streams,
         requests,
         shaped_checkpoint,
         stop,
@@ -414,11 +415,7 @@ def measure(args: argparse.Namespace) -> dict:
             return []
 
         def raw_reads(model):
-            out = []
-            for i in layers:
-                hidden, residual = model.model.layers[i].output
-                out.append((hidden + residual).clone())
-            return out
+            return raw_streams(model, layers)
 
         # The 8b rows (#48): one request of prompt_8b token ids generating tokens_8b, read or steered at every step.
         blocks_8b = (SMOKE_8B if args.smoke else SHAPE_8B)["num_hidden_layers"]
@@ -432,11 +429,7 @@ def measure(args: argparse.Namespace) -> dict:
             return [model.layers[i].layer_output for i in range(blocks_8b)]
 
         def every_block_raw(model):
-            out = []
-            for i in range(blocks_8b):
-                hidden, residual = model.model.layers[i].output
-                out.append((hidden + residual).clone())
-            return out
+            return raw_streams(model, range(blocks_8b))
 
         def steer_8b_block(model, vector):
             model.steer(steer_8b, vector)

@@ -99,16 +99,22 @@ def test_shards_equal_transformers_and_collect(subject, full_run):
     assert got["position"].tolist() == list(range(CONTEXT)) * len(cut)
     assert all(window[0] == model.tokenizer.bos_token_id for window in cut)
     by_collect = collect(model, cut, VALUES, [0, last], batch_size=4)
+    for index, value, layer, tensor in each_window_against_transformers(subject, got, cut, [0, last], "dataset"):
+        assert tensor.dtype == torch.float32
+        assert same_rows(tensor, by_collect[f"{value}.{layer}"][index][0], subject), (value, layer, index)
+    assert engine_is_idle(model)
+
+
+def each_window_against_transformers(subject, got: dict, cut: list, layers: list[int], label: str):
+    """Each window's rows of each value at ``layers`` held to transformers' (the oracle's bound, recorded as ``label``);
+    yields (window, value, layer, rows) for more checks."""
     for index, window in enumerate(cut):
         expected = oracle.reference(subject.reference, window, subject.layout)["values"]
-        span = slice(index * CONTEXT, (index + 1) * CONTEXT)
         for value in VALUES:
-            for layer in (0, last):
-                tensor = got[f"{value}.{layer}"][span]
-                assert tensor.dtype == torch.float32
-                assert same_rows(tensor, by_collect[f"{value}.{layer}"][index][0], subject), (value, layer, index)
-                assert close(subject, f"dataset: {value}", tensor, expected[value][layer][0]), (value, layer, index)
-    assert engine_is_idle(model)
+            for layer in layers:
+                tensor = got[f"{value}.{layer}"][index * CONTEXT : (index + 1) * CONTEXT]
+                assert close(subject, f"{label}: {value}", tensor, expected[value][layer][0]), (value, layer, index)
+                yield index, value, layer, tensor
 
 
 @pytest.mark.parametrize("subject", ["Qwen2ForCausalLM-kv1-tp2"], indirect=True)
@@ -123,13 +129,7 @@ def test_shards_of_a_two_rank_engine_equal_transformers(subject, tmp_path):
     assert written.complete and len(written) == len(cut) * CONTEXT
     got = rows(tmp_path / "acts")
     assert got["token_ids"].tolist() == [token for window in cut for token in window]
-    for index, window in enumerate(cut):
-        expected = oracle.reference(subject.reference, window, subject.layout)["values"]
-        span = slice(index * CONTEXT, (index + 1) * CONTEXT)
-        for value in VALUES:
-            for layer in (0, last):
-                tensor = got[f"{value}.{layer}"][span]
-                assert close(subject, f"dataset on two ranks: {value}", tensor, expected[value][layer][0]), (value, layer, index)
+    assert len(list(each_window_against_transformers(subject, got, cut, [0, last], "dataset on two ranks"))) == len(cut) * 6
     assert engine_is_idle(model)
 
 
