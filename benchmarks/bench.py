@@ -554,14 +554,30 @@ CUDA_ROWS = [
 ]
 
 
+def cache_root() -> Path:
+    """Where the benchmarks build their models: $VLENVOYS_CACHE, or ~/.cache/vlenvoys."""
+    return Path(os.environ.get("VLENVOYS_CACHE") or Path.home() / ".cache" / "vlenvoys").expanduser()
+
+
 def cuda_checkpoint(size: str) -> Path:
-    """The suite's random Llama in bfloat16, built once into $VLENVOYS_CACHE (or ~/.cache/vlenvoys)."""
+    """The suite's random Llama in bfloat16, built once into `cache_root`."""
     from vlenvoys_testing import tiny_model
 
-    root = Path(os.environ.get("VLENVOYS_CACHE") or Path.home() / ".cache" / "vlenvoys").expanduser()
+    root = cache_root()
     # tiny_model's 256 positions are fewer than a 120-word prompt and its 64 generated tokens may need.
     shape = SIZES[size] | {"max_position_embeddings": MAX_MODEL_LEN}
     return tiny_model("LlamaForCausalLM", root / f"bench-llama-{size}-bfloat16", dtype="bfloat16", **shape)
+
+
+def gate_checkpoint(cuda: bool) -> str:
+    """The gate's model (and trace_cost.py's): the 1B-shape Llama on a GPU; on the CPU engine a tiny Llama of six blocks
+    (serve.py's requests steer and capture blocks 2 and 5)."""
+    if cuda:
+        return str(cuda_checkpoint("1b"))
+    from vlenvoys_testing import tiny_model
+
+    return str(tiny_model("LlamaForCausalLM", cache_root() / "gate-smoke-llama", num_hidden_layers=6,
+                          max_position_embeddings=MAX_MODEL_LEN))
 
 
 def raw_streams(model, layers) -> list:
@@ -582,7 +598,7 @@ def shaped_checkpoint(shape: dict, name: str) -> Path:
 
     from vlenvoys_testing import tiny_model
 
-    root = Path(os.environ.get("VLENVOYS_CACHE") or Path.home() / ".cache" / "vlenvoys").expanduser()
+    root = cache_root()
     source = tiny_model("LlamaForCausalLM", root / "bench-llama-tokenizer", num_hidden_layers=1,
                         max_position_embeddings=MAX_MODEL_LEN)
     folder = root / f"bench-llama-{name}-shape"

@@ -316,7 +316,7 @@ def measure(args: argparse.Namespace) -> dict:
     from bench import (
         MAX_MODEL_LEN,
         SHAPE_8B,
-        cuda_checkpoint,
+        gate_checkpoint,
         plain_prefill,
         raw_streams,
         requests,
@@ -348,14 +348,8 @@ def measure(args: argparse.Namespace) -> dict:
         names = [name for name in names if not name.startswith("taps_")]
     groups = {ROWS[name].group for name in names}
     began = time.perf_counter()
-    if cuda:
-        path = str(cuda_checkpoint("1b"))
-    else:  # six blocks: serve.py's requests steer and capture blocks 2 and 5
-        from vlenvoys_testing import tiny_model
-
-        cache = Path(os.environ.get("VLENVOYS_CACHE") or Path.home() / ".cache" / "vlenvoys").expanduser()
-        path = str(tiny_model("LlamaForCausalLM", cache / "gate-smoke-llama", num_hidden_layers=6,
-                              max_position_embeddings=MAX_MODEL_LEN))
+    path = gate_checkpoint(cuda)
+    shape_8b = SMOKE_8B if args.smoke else SHAPE_8B
     config = json.loads(Path(path, "config.json").read_text())
     count = config["num_hidden_layers"]
     layers = sorted({count // 4, count // 2, 3 * count // 4})
@@ -381,7 +375,7 @@ def measure(args: argparse.Namespace) -> dict:
         if groups & {"prefill", "generate"} and any(name.startswith("graph_") for name in names):
             engines["vg"] = vlenvoys.load(path, cuda_graphs=True, sites={"layer_output": "all"}, **sized)
         if "8b" in groups:
-            path_8b = str(shaped_checkpoint(SMOKE_8B if args.smoke else SHAPE_8B, "8b-smoke" if args.smoke else "8b"))
+            path_8b = str(shaped_checkpoint(shape_8b, "8b-smoke" if args.smoke else "8b"))
             # One request at a time: a small batch limit (the same for all three) keeps the graphs' capture short.
             sized_8b = sized | {"load_format": "dummy", "max_num_seqs": 8} | ({"kv_cache_memory_bytes": 2 << 30} if cuda else {})
             engines["plain8"] = LLM(path_8b, **sized_8b)
@@ -389,18 +383,18 @@ def measure(args: argparse.Namespace) -> dict:
                 engines["vg8"] = vlenvoys.load(path_8b, cuda_graphs=True, sites={"layer_output": "all"}, **sized_8b)
         # Last: nnsight's taps= turn vLLM's breakable graphs on through this process's environment (restored after each),
         # with PIECEWISE graphs only, so that a decode step passes the taps too (a FULL graph's replay runs none).
-        taps = {"taps_trace3": ("taps", path, sized, [f"model.layers.{i}.output" for i in layers]),
-                "taps_8b_every_layer_reads": ("taps8", path_8b if "8b" in groups else "", sized_8b if "8b" in groups else {},
-                                              ["model.layers.*.output"])}
-        for name, (key, where, kwargs, sites) in taps.items():
-            if name in names:
-                from nnsight.modeling.vllm import VLLM
+        taps = []
+        if "taps_trace3" in names:
+            taps.append(("taps", path, sized, [f"model.layers.{i}.output" for i in layers]))
+        if "taps_8b_every_layer_reads" in names:
+            taps.append(("taps8", path_8b, sized_8b, ["model.layers.*.output"]))
+        for key, where, kwargs, sites in taps:
+            from nnsight.modeling.vllm import VLLM
 
-                environ = dict(os.environ)
-                engines[key] = VLLM(where, dispatch=True, taps=sites, compilation_config={"cudagraph_mode": "PIECEWISE"},
-                                    **kwargs)
-                os.environ.clear()
-                os.environ.update(environ)
+            environ = dict(os.environ)
+            engines[key] = VLLM(where, dispatch=True, taps=sites, compilation_config={"cudagraph_mode": "PIECEWISE"}, **kwargs)
+            os.environ.clear()
+            os.environ.update(environ)
         urls = servers.wait() if servers is not None else {}
         print(f"engines up in {time.perf_counter() - began:.0f} s", flush=True)
         plain, vl, vg = engines.get("plain"), engines.get("vl"), engines.get("vg")
@@ -418,9 +412,9 @@ def measure(args: argparse.Namespace) -> dict:
             return raw_streams(model, layers)
 
         # The 8b rows (#48): one request of prompt_8b token ids generating tokens_8b, read or steered at every step.
-        blocks_8b = (SMOKE_8B if args.smoke else SHAPE_8B)["num_hidden_layers"]
+        blocks_8b = shape_8b["num_hidden_layers"]
         ids_8b = torch.randint(4, 512, (work.prompt_8b,), generator=torch.Generator().manual_seed(4)).tolist()  # tokenizer's ids
-        vector_8b = torch.randn((SMOKE_8B if args.smoke else SHAPE_8B)["hidden_size"]) * 4
+        vector_8b = torch.randn(shape_8b["hidden_size"]) * 4
         steer_8b = blocks_8b // 2
         one_request = SamplingParams(temperature=0.0, max_tokens=work.tokens_8b, ignore_eos=True, detokenize=False)
         reached: dict[str, int] = {}  # the fewest steps a block of a row's trace reached, over all its runs

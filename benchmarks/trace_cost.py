@@ -72,8 +72,9 @@ class Timeline:
             self.add(phase, time.perf_counter() - began)
 
 
-def instrument(timeline: Timeline) -> None:
-    """Time the methods a trace passes through (this process only; the classes are vlenvoys' and nnsight's)."""
+def instrument(timeline: Timeline, engine) -> None:
+    """Time the methods a trace passes through (this process only; the classes are vlenvoys' and nnsight's), and
+    ``engine``'s calls into its core (the saves' call)."""
     from vlenvoys.engine import model as model_module
     from vlenvoys.engine import stepping
     from vllm.v1.engine.llm_engine import LLMEngine
@@ -108,13 +109,13 @@ def instrument(timeline: Timeline) -> None:
     engine_cls.add_request = add_request
     # `StandardLLMEngine.step` calls `LLMEngine.step(self)` by name: time that, and the saves' call apart.
     stepping.LLMEngine = type("TimedLLMEngine", (), {"step": step})
-    def timed_rpc(core_rpc):
-        def collective_rpc(*args, **kwargs):
-            with timeline.timed("saves rpc"):
-                return core_rpc(*args, **kwargs)
-        return collective_rpc
+    core_rpc = engine.engine_core.collective_rpc
 
-    timeline.wrap_core = lambda engine: setattr(engine.engine_core, "collective_rpc", timed_rpc(engine.engine_core.collective_rpc))
+    def collective_rpc(*args, **kwargs):
+        with timeline.timed("saves rpc"):
+            return core_rpc(*args, **kwargs)
+
+    engine.engine_core.collective_rpc = collective_rpc
 
 
 def main() -> None:
@@ -128,31 +129,25 @@ def main() -> None:
 
     import torch
     import vlenvoys
-    from bench import MAX_MODEL_LEN, core_pid, cuda_checkpoint, requests, stop
+    from bench import MAX_MODEL_LEN, core_pid, gate_checkpoint, requests, stop
     from vllm import LLM
     from workloads import prompts
 
     cuda = torch.cuda.is_available()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    path = gate_checkpoint(cuda)
     if cuda:
-        path = str(cuda_checkpoint("1b"))
         sized = {"dtype": "bfloat16", "kv_cache_memory_bytes": 4 << 30, "gpu_memory_utilization": 0.1}
     else:
-        from vlenvoys_testing import tiny_model
-
-        cache = Path(os.environ.get("VLENVOYS_CACHE") or Path.home() / ".cache" / "vlenvoys").expanduser()
-        path = str(tiny_model("LlamaForCausalLM", cache / "gate-smoke-llama", num_hidden_layers=6,
-                              max_position_embeddings=MAX_MODEL_LEN))
         sized = {"dtype": "float32", "kv_cache_memory_bytes": vlenvoys.engine.CPU_KV_CACHE_BYTES}
     sized |= {"max_model_len": MAX_MODEL_LEN, "enable_prefix_caching": False}
     texts = prompts(args.prompts, 16, 120, seed=1)
     timeline = Timeline()
-    instrument(timeline)
     plain = LLM(path, **sized)
     model = vlenvoys.load(path, **sized)
     idle = [LLM(path, **sized) for _ in range(args.idle)]
-    timeline.wrap_core(model.vllm_entrypoint.llm_engine)
+    instrument(timeline, model.vllm_entrypoint.llm_engine)
     count = model.config.num_hidden_layers
     layers = sorted({count // 4, count // 2, 3 * count // 4})
     per = args.per_trace
