@@ -165,6 +165,37 @@ def test_saves_are_asked_for_only_where_a_request_can_have_some(subject):
     assert torch.equal(host(with_edit.saves["everyone"]), host(traced))
 
 
+@on_tiny_llama
+def test_a_traces_requests_are_collected_in_one_call(subject):
+    """A trace's requests that finish at different steps (1, 2 and 4 tokens) are asked for their saves once, after the
+    last: each gets its own values, as when traced alone, and the worker keeps nothing of them afterwards."""
+    model, prompts = subject.model, subject.prompts[:3]
+    core = model.vllm_entrypoint.llm_engine.engine_core
+    calls, rpc = [], core.collective_rpc
+
+    def counted(method, *args, **kwargs):
+        calls.append(method)
+        return rpc(method, *args, **kwargs)
+
+    lengths = [1, 2, 4]
+    core.collective_rpc = counted
+    try:
+        with model.trace(temperature=0.0, ignore_eos=True) as tracer:
+            streams = list().save()
+            for prompt, tokens in zip(prompts, lengths, strict=True):
+                with tracer.invoke(prompt, max_tokens=tokens):
+                    streams.append(model.layers[1].layer_output)
+        assert calls.count("collect_nnsight") == 1, calls
+    finally:
+        del core.collective_rpc
+    for prompt, tokens, stream in zip(prompts, lengths, streams, strict=True):
+        with model.trace(prompt, temperature=0.0, max_tokens=tokens, ignore_eos=True):
+            alone = model.layers[1].layer_output.save()
+        assert tuple(stream.shape) == (1, len(prompt), subject.hidden_size)
+        assert same_rows(host(stream), host(alone), subject)
+    assert model.vllm_entrypoint.llm_engine.collective_rpc("nnsight_request_count") == [0]
+
+
 #: One value per path: layer_output takes the batched hooks (`vlenvoys.worker.collector`); the pattern,
 #: recomputed per request, takes the block registered with nnsight.
 PATHS = {"hooks": "layer_output", "registration": "attention_probabilities"}

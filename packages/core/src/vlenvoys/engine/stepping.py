@@ -15,6 +15,14 @@ entry without the call (``output.saves == {}``, ``nnsight_error`` None; under
 nnsight's engine such an output has either that or, when the worker has already
 forgotten the request, no ``saves`` at all); their workers hold nothing and
 forget them off the scheduler's finished set (nnsight's ``Requests.harvest``).
+
+A trace's requests (those carrying a block) are collected together, in one
+call after the step that finishes the last request in flight, not one call per
+step that finishes some: each call waits for the device and holds the engine
+core's next step, and on an H100 the calls of a trace of 64 invokes took a
+quarter of its time (benchmarks/results/trace-cost-5b257ef-h100.md). The
+synchronous engine has one caller at a time, so the requests in flight are
+that trace's, and its outputs are handed back only once all have finished.
 """
 
 from __future__ import annotations
@@ -52,12 +60,18 @@ class StandardLLMEngine(NNsightLLMEngine):
     vlenvoys_edits: list = []
     #: External ids of requests in flight that carry nnsight work (`carries_nnsight_work`).
     vlenvoys_carrying: set[str]
+    #: Those of them that carry a trace's block: collected when nothing is left in flight.
+    vlenvoys_blocks: set[str]
+    #: Finished requests with a block, waiting for that collection (id -> output).
+    vlenvoys_waiting: dict[str, Any]
 
     @classmethod
     def install(cls, engine: LLMEngine, edits: list) -> None:
         engine.__class__ = cls
         engine.vlenvoys_edits = edits
         engine.vlenvoys_carrying = set()
+        engine.vlenvoys_blocks = set()
+        engine.vlenvoys_waiting = {}
 
     def add_request(self, request_id: str, prompt: Any, params: Any, *args: Any, **kwargs: Any) -> str:
         if isinstance(prompt, EngineCoreRequest):  # vLLM then takes the id and params off the request
@@ -65,16 +79,19 @@ class StandardLLMEngine(NNsightLLMEngine):
         added = super().add_request(request_id, prompt, params, *args, **kwargs)
         if carries_nnsight_work(params):
             self.vlenvoys_carrying.add(request_id)
+            if "nnsight_mediator" in (getattr(params, "extra_args", None) or {}):
+                self.vlenvoys_blocks.add(request_id)
         return added
 
     def abort_request(self, request_ids: list[str], internal: bool = False) -> None:
         super().abort_request(request_ids, internal)
         self.vlenvoys_carrying.difference_update(request_ids)
+        self.vlenvoys_blocks.difference_update(request_ids)
 
     def step(self) -> Any:
         outputs = LLMEngine.step(self)
         finished = {output.request_id: output for output in outputs if output.finished}
-        if not finished:
+        if not finished and not self.vlenvoys_waiting:
             return outputs
         asking = {
             request_id: output
@@ -82,13 +99,20 @@ class StandardLLMEngine(NNsightLLMEngine):
             if self.vlenvoys_edits or request_id in self.vlenvoys_carrying
         }
         self.vlenvoys_carrying.difference_update(finished)
+        # A block's request waits for the others in flight (see above); the last step asks for all of them at once.
+        self.vlenvoys_waiting.update((request_id, asking.pop(request_id)) for request_id in finished
+                                     if request_id in self.vlenvoys_blocks and request_id in asking)
+        self.vlenvoys_blocks.difference_update(finished)
+        if self.vlenvoys_waiting and not self.has_unfinished_requests():
+            asking.update(self.vlenvoys_waiting)
+            self.vlenvoys_waiting = {}
         collected = {}
         if asking:
             # As nnsight's step does: the outputs go pickled (the call is msgpack-encoded), for `tracer.result`.
             ids = list(asking)
             collected = merge_collected(self.engine_core.collective_rpc("collect_nnsight", args=(ids, ids, pickle.dumps(asking))))
-        for output in outputs:
-            if not output.finished:
+        for output in [*outputs, *(asking[request_id] for request_id in asking if request_id not in finished)]:
+            if not output.finished or output.request_id in self.vlenvoys_waiting:
                 continue
             if output.request_id not in asking:
                 attach(output, _nothing())
@@ -117,12 +141,15 @@ def abandoned_on_error(model: Any) -> Iterator[None]:
         engine = model.vllm_entrypoint.llm_engine if model.vllm_entrypoint is not None else None
         states = getattr(getattr(engine, "output_processor", None), "request_states", None) or {}
         left = sorted({state.external_req_id for state in states.values()})
-        if left:
+        waiting = list(getattr(engine, "vlenvoys_waiting", None) or ())  # finished, their blocks not yet collected
+        if left or waiting:
             edits, ours = getattr(engine, "vlenvoys_edits", None), getattr(engine, "vlenvoys_carrying", set())
-            carrying = [request for request in left if edits or request in ours]
+            carrying = [request for request in left if edits or request in ours] + waiting
+            engine.vlenvoys_waiting = {}
 
             def abort() -> None:
-                engine.abort_request(left)
+                if left:
+                    engine.abort_request(left)
                 if carrying:
                     merge_collected(engine.collective_rpc("collect_nnsight", args=(carrying, carrying)))
 
