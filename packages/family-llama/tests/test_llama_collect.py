@@ -194,6 +194,19 @@ def test_a_traces_requests_are_collected_in_one_call(subject):
         assert tuple(stream.shape) == (1, len(prompt), subject.hidden_size)
         assert same_rows(host(stream), host(alone), subject)
     assert model.vllm_entrypoint.llm_engine.collective_rpc("nnsight_request_count") == [0]
+    # A block's error late in a long request, while a short one's saves wait: raised, and the worker keeps neither.
+    with pytest.raises(RuntimeError, match="late in its generation"):
+        with model.trace(temperature=0.0, ignore_eos=True) as tracer:
+            with tracer.invoke(prompts[0], max_tokens=1):
+                model.layers[1].layer_output.save()
+            with tracer.invoke(prompts[1], max_tokens=4):
+                for _ in tracer.iter[0:4]:
+                    model.layers[1].layer_output.save()
+                raise RuntimeError("late in its generation")
+    assert model.vllm_entrypoint.llm_engine.collective_rpc("nnsight_request_count") == [0]
+    with model.trace(prompts[0], temperature=0.0, max_tokens=1):
+        again = model.layers[1].layer_output.save()
+    assert torch.equal(host(again), host(streams[0]))
 
 
 #: One value per path: layer_output takes the batched hooks (`vlenvoys.worker.collector`); the pattern,

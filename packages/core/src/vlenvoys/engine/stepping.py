@@ -21,8 +21,11 @@ call after the step that finishes the last request in flight, not one call per
 step that finishes some: each call waits for the device and holds the engine
 core's next step, and on an H100 the calls of a trace of 64 invokes took a
 quarter of its time (benchmarks/results/trace-cost-5b257ef-h100.md). The
-synchronous engine has one caller at a time, so the requests in flight are
-that trace's, and its outputs are handed back only once all have finished.
+synchronous engine has one caller at a time, so the blocks in flight are that
+trace's, and vLLM's ``generate`` hands its outputs back only once all have
+finished. A caller stepping the engine itself finds a block's saves on its
+output once no block is in flight. The saves of the whole trace then go in
+one message, under the size limits of one (`vlenvoys.worker.saves`).
 """
 
 from __future__ import annotations
@@ -99,24 +102,33 @@ class StandardLLMEngine(NNsightLLMEngine):
             if self.vlenvoys_edits or request_id in self.vlenvoys_carrying
         }
         self.vlenvoys_carrying.difference_update(finished)
-        # A block's request waits for the others in flight (see above); the last step asks for all of them at once.
-        self.vlenvoys_waiting.update((request_id, asking.pop(request_id)) for request_id in finished
-                                     if request_id in self.vlenvoys_blocks and request_id in asking)
+        # A block's request waits for the other blocks in flight (see above); the step that finishes the last of
+        # them (or the last request of any kind: an id vLLM aborted internally stays listed) asks for all at once.
+        waiting = {request_id: asking.pop(request_id) for request_id in list(asking) if request_id in self.vlenvoys_blocks}
         self.vlenvoys_blocks.difference_update(finished)
-        if self.vlenvoys_waiting and not self.has_unfinished_requests():
-            asking.update(self.vlenvoys_waiting)
-            self.vlenvoys_waiting = {}
+        self.vlenvoys_waiting.update(waiting)
+        flushed = {}
+        if self.vlenvoys_waiting and (not self.vlenvoys_blocks or not self.output_processor.has_unfinished_requests()):
+            flushed = dict(self.vlenvoys_waiting)
+        calls = {**asking, **flushed}
         collected = {}
-        if asking:
+        if calls:
             # As nnsight's step does: the outputs go pickled (the call is msgpack-encoded), for `tracer.result`.
-            ids = list(asking)
-            collected = merge_collected(self.engine_core.collective_rpc("collect_nnsight", args=(ids, ids, pickle.dumps(asking))))
-        for output in [*outputs, *(asking[request_id] for request_id in asking if request_id not in finished)]:
-            if not output.finished or output.request_id in self.vlenvoys_waiting:
+            ids = list(calls)
+            collected = merge_collected(self.engine_core.collective_rpc("collect_nnsight", args=(ids, ids, pickle.dumps(calls))))
+        if flushed:  # only now: an interrupt or error in the call leaves them for `abandoned_on_error` to wind up
+            self.vlenvoys_waiting = {}
+        # By the output object, not its id: a waiting output is handed its entry only when its trace's call is made.
+        kept, handed = {id(output) for output in self.vlenvoys_waiting.values()}, {id(output) for output in flushed.values()}
+        for output in outputs:
+            if not output.finished or id(output) in kept or id(output) in handed:
                 continue
             if output.request_id not in asking:
                 attach(output, _nothing())
             elif (entry := collected.get(output.request_id)) is not None:
+                attach(output, entry)
+        for output in flushed.values():
+            if (entry := collected.get(output.request_id)) is not None:
                 attach(output, entry)
         return outputs
 
