@@ -25,6 +25,7 @@ install)
   fi
   rm -rf /tmp/proj && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/proj .dev/proj/*.whl
   rm -rf /tmp/site/vlenvoys* && cp -r /tmp/proj/* /tmp/site/
+  cp .dev/commit /tmp/site/measured-commit  # the gate names the wheels installed, not a .dev left from another call
   python3 -c "import vllm, nnsight, vlenvoys; print('vLLM', vllm.__version__, 'nnsight', nnsight.__version__, vlenvoys.__file__)" ;;
 profile)  # where a trace's time goes on the GPU (#48 item 2): py-spy of the engine cores, bench.py's paired rows
   shift
@@ -33,7 +34,7 @@ profile)  # where a trace's time goes on the GPU (#48 item 2): py-spy of the eng
 gate)
   shift
   set -o pipefail
-  timeout "${GATE_SECONDS:-575}" python3 benchmarks/gate.py --commit "$(cat .dev/commit)" --out "${OUT:-.}" "$@" 2>&1 |
+  timeout "${GATE_SECONDS:-575}" python3 benchmarks/gate.py --commit "$(cat /tmp/site/measured-commit)" --out "${OUT:-.}" "$@" 2>&1 |
     tee "${OUT:-.}/gate.log" | grep -v "it/s\]" | tail -80 ;;
 suite)
   bash benchmarks/gpu-suite.sh "${OUT:-/tmp}/suite" ;;

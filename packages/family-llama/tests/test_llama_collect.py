@@ -206,7 +206,7 @@ def test_a_traces_requests_are_collected_in_one_call(subject):
     assert model.vllm_entrypoint.llm_engine.collective_rpc("nnsight_request_count") == [0]
     with model.trace(prompts[0], temperature=0.0, max_tokens=1):
         again = model.layers[1].layer_output.save()
-    assert torch.equal(host(again), host(streams[0]))
+    assert same_rows(host(again), host(streams[0]), subject)  # batched before, alone now: equal to rounding on a GPU
 
 
 #: One value per path: layer_output takes the batched hooks (`vlenvoys.worker.collector`); the pattern,
