@@ -41,7 +41,8 @@ import vlenvoys
 from vlenvoys.activations import collect_dataset, windows
 
 # This file's folder is on the path when it runs as a script.
-from bench import MAX_MODEL_LEN, PeakMemory, checkout, cuda_checkpoint, github_table, plain_prefill, stop, worker_stats
+from bench import (MAX_MODEL_LEN, PeakMemory, cache_root, checkout, cuda_checkpoint, github_table, plain_prefill, stop,
+                   worker_stats)
 from workloads import prompts
 
 
@@ -98,8 +99,7 @@ def main() -> None:
     elif args.tiny:
         from vlenvoys_testing import tiny_model
 
-        root = Path(os.environ.get("VLENVOYS_CACHE") or Path.home() / ".cache" / "vlenvoys").expanduser()
-        path = tiny_model("LlamaForCausalLM", root / "bench-llama-512", hidden_size=512, intermediate_size=1024)
+        path = tiny_model("LlamaForCausalLM", cache_root() / "bench-llama-512", hidden_size=512, intermediate_size=1024)
         model = vlenvoys.load(str(path), enable_prefix_caching=False)
         described = "random Llama, hidden 512, 3 blocks, float32"
         tag = args.tag or "cpu-tiny"

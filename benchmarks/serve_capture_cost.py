@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
-import os
 import statistics
 import subprocess
 import sys
@@ -35,15 +34,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from bench import cache_root  # noqa: E402
 from workloads import prompts  # noqa: E402
 
 
 def checkpoint(blocks: int) -> Path:
     from vlenvoys_testing import tiny_model
 
-    root = Path(os.environ.get("VLENVOYS_CACHE") or Path.home() / ".cache" / "vlenvoys").expanduser()
     return tiny_model(
-        "LlamaForCausalLM", root / f"capture-cost-llama-2048x{blocks}", dtype="float32", hidden_size=2048,
+        "LlamaForCausalLM", cache_root() / f"capture-cost-llama-2048x{blocks}", dtype="float32", hidden_size=2048,
         num_hidden_layers=blocks, num_attention_heads=32, num_key_value_heads=8, head_dim=64, intermediate_size=1024,
         max_position_embeddings=1024,
     )
