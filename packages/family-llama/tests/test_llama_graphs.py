@@ -150,6 +150,48 @@ def test_a_trace_reads_declared_sites_on_every_step_as_the_eager_engine(subject,
                 assert same_rows(a, b, subject), (name, step)
 
 
+@on_llama
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="sited graphs are CUDA graphs (the CPU engine has none)")
+def test_traced_decode_steps_replay_the_graph_broken_at_the_sites(subject, tmp_path, monkeypatch):
+    """#48, sited graphs (``VLENVOYS_SITED_GRAPHS=1``): each captured graph holds one break per declared site, a
+    traced decode step replays one, and its reads and steering equal the eager engine's."""
+    monkeypatch.setenv("VLENVOYS_SITED_GRAPHS", "1")  # read in the engine's processes, started below
+    path = testing.tiny_model("LlamaForCausalLM", tmp_path)
+    steps = 5
+    with oracle.engine(str(path), cuda_graphs=True, sites=SITES) as model:
+        engine = model.vllm_entrypoint.llm_engine
+        before = engine.collective_rpc("vlenvoys_sited_stats")[0]
+        assert before is not None and before["graphs"] > 0, before
+        assert before["breaks"] == [len(before["locations"])], before
+        vector = torch.ones(subject.hidden_size)
+
+        def traced(on):
+            with on.trace(temperature=0.0, max_tokens=steps, ignore_eos=True) as tracer:
+                rows = list().save()
+                for prompt in subject.prompts[:2]:
+                    with tracer.invoke(prompt):
+                        mine = list()
+                        for _ in tracer.iter[0:steps]:
+                            on.steer(2, vector)
+                            mine.append((on.layers_output[0], on.layers[1].self_attn.attention_output,
+                                         on.layers[-1].layer_output, on.logits))
+                        rows.append(mine)
+            return rows
+
+        got, want = traced(model), traced(subject.model)
+        after = engine.collective_rpc("vlenvoys_sited_stats")[0]
+    assert after["replays"] - before["replays"] >= steps - 1, (before, after)  # the decode steps, not eager ones
+    for prompt, mine, theirs in zip(subject.prompts[:2], got, want, strict=True):
+        assert len(mine) == len(theirs) == steps
+        for step, (ours, eager) in enumerate(zip(mine, theirs, strict=True)):
+            tokens = len(prompt) if step == 0 else 1
+            for name, a, b in zip(("layers_output[0]", "attention_output", "layer_output", "logits"), ours, eager,
+                                  strict=True):
+                if name != "logits":
+                    assert a.shape == (1, tokens, subject.hidden_size), (name, step, a.shape)
+                assert same_rows(a, b, subject), (name, step)
+
+
 @pytest.mark.parametrize(
     "body, refused",
     [

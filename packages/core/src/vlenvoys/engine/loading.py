@@ -12,6 +12,7 @@ from typing import Any
 from ..errors import UnsupportedVLLM
 from ..values.family import config_of, resolve_checkpoint
 from ..weights import smollm2_path
+from ..wire.requests import SITES_KEY
 from .logs import vllm_logging
 from .model import StandardizedVLLM
 from .sites import declared
@@ -110,6 +111,10 @@ def load(
     model = str(model)
     installed, name, architecture = resolve_checkpoint(model, engine_kwargs)
     declared_sites = None if sites is None else declared(sites, block_count(model, engine_kwargs.get("hf_overrides")))
+    if declared_sites is not None:  # for the workers' sited graphs (`vlenvoys.worker.sited`)
+        extra = dict(engine_kwargs.get("additional_config") or {})
+        extra[SITES_KEY] = {name: sorted(blocks) for name, blocks in declared_sites.items()}
+        engine_kwargs["additional_config"] = extra
     model_runner()
     engine_defaults(model, engine_kwargs)
     # On, as on stock vLLM: plain requests share cached prefixes; traced, collected and steered

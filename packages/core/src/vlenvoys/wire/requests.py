@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["COLLECT_GENERATED_KEY", "COLLECT_ID_KEY", "COLLECT_KEY", "PRIVATE", "STEER_KEY", "carries_nnsight_work"]
+__all__ = [
+    "COLLECT_GENERATED_KEY", "COLLECT_ID_KEY", "COLLECT_KEY", "PRIVATE", "SITES_KEY", "STEER_KEY",
+    "carries_nnsight_work",
+]
 
 #: ``SamplingParams.extra_args`` key whose value names the collector that reads the request.
 COLLECT_KEY = "vlenvoys_collect"
@@ -16,6 +19,9 @@ COLLECT_ID_KEY = "vlenvoys_collect_id"
 COLLECT_GENERATED_KEY = "vlenvoys_collect_generated"
 #: ``SamplingParams.extra_args`` key holding a request's steering (`vlenvoys.wire.steering`).
 STEER_KEY = "vlenvoys_steer"
+#: vLLM's ``additional_config`` key (an engine's, not a request's): a graph engine's declared sites, {value: blocks},
+#: for the workers' sited graphs (`vlenvoys.worker.sited`).
+SITES_KEY = "vlenvoys_sites"
 #: Registrations named with this prefix run only on requests that list them in ``edits=[...]``.
 PRIVATE = "vlenvoys-private:"
 

@@ -18,7 +18,7 @@ from ..values.family import resolve
 from ..values.parallel import KernelFragments
 from ..values.reads import unsteerable
 from ..wire.requests import carries_nnsight_work
-from . import collector, steerer
+from . import collector, sited, steerer
 from .collector import step_spans
 from .saves import send_back_what_can_be_sent, stop_sending
 from .steerer import Steerer, plan_step
@@ -60,6 +60,10 @@ class StandardWorker:
     def vlenvoys_collect_stats(self) -> dict:
         return collector.stats(self)
 
+    def vlenvoys_sited_stats(self) -> dict | None:
+        graphs = getattr(self.model_runner, "vlenvoys_sited_graphs", None)
+        return None if graphs is None else graphs.stats()
+
     def shutdown(self) -> None:
         collector.close_arena(self)  # its files in shared memory go with the worker
         stop_sending(self.model_runner)  # its saves no longer go through an arena, nor keep it alive
@@ -82,6 +86,10 @@ class StandardRunner:
             # nnsight's `scope` has just listed the workers this step runs: scheduled, and not finished (or keeping
             # caches, or erred). A trace whose block is done (read at the prefill) leaves the graphs to the rest.
             eager = bool(self.nnsight_model.interleaver.mediators)
+            graphs = getattr(self, "vlenvoys_sited_graphs", None)
+            if graphs is not None:
+                # A traced decode step replays the graph broken at the declared sites (`vlenvoys.worker.sited`).
+                graphs.sited_step, eager = eager, False
         else:
             eager = False
             # No block in flight or installed, none arriving: nnsight's bookkeeping (its harvest, its spans of
@@ -104,6 +112,9 @@ class StandardRunner:
             # A forward outside a step (a warm-up) reads nothing, and eagerly steers nothing.
             self.vlenvoys_spans = []
             self.vlenvoys_eager_step = False
+            graphs = getattr(self, "vlenvoys_sited_graphs", None)
+            if graphs is not None:
+                graphs.sited_step = False
             steerer = getattr(self, "vlenvoys_steerer", None)
             if steerer is not None:
                 steerer.active = set()
@@ -142,6 +153,29 @@ class StandardRunner:
             # steering hooks must be in the forward by then, on every block (`Steerer`).
             if unsteerable(model) is None:
                 self.vlenvoys_steerer = Steerer(self, every_block=True)
+            self.vlenvoys_sited_graphs = sited.install(self, model)
+
+    def _capture_cudagraphs(self, *args: Any, **kwargs: Any) -> Any:
+        # Each FULL batch size captured twice: vLLM's graph, then the one broken at the declared sites (before any
+        # request; a capture after vLLM's pass raises). nnsight's capture_model has the interleaver open meanwhile.
+        result = super()._capture_cudagraphs(*args, **kwargs)
+        graphs = getattr(self, "vlenvoys_sited_graphs", None)
+        mode = kwargs.get("cudagraph_runtime_mode", args[1] if len(args) > 1 else None)
+        if graphs is None or getattr(mode, "name", None) != "FULL":
+            return result
+        graphs.capturing = True
+        try:
+            super()._capture_cudagraphs(*args, **kwargs)
+        finally:
+            graphs.capturing = False
+        breaks = graphs.breaks()
+        wrong = {key: count for key, count in breaks.items() if count != len(graphs.locations)}
+        if not breaks or wrong:
+            raise RuntimeError(
+                f"sited CUDA graphs: expected {len(graphs.locations)} breaks (one per declared site) in each graph, "
+                f"found {wrong or 'no graph'}; unset {sited.OPT_IN} to run traced steps eagerly"
+            )
+        return result
 
 
 def replays_graphs(runner: Any) -> bool:
