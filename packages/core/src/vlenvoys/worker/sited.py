@@ -16,6 +16,12 @@ vLLM's own breaks do not break (``eager_break_during_capture``).
 Steps carrying a trace's block replay the sited graphs; others replay vLLM's.
 Rows of requests without a block run the same kernels either way.
 
+Not yet served on a sited step (review of this prototype, to do before it is on by default): what waits at a
+location that is not a site, which the sites check lets through today: ``model.input_ids`` (the embedding's
+input), ``skip_layer`` (the block's input), ``tracer.cache()`` (every module). Such a step ran eagerly before;
+replayed, the block finds nothing there. Nor does vLLM's estimate of graph memory count the second set
+(``profile_cudagraph_memory``): set ``kv_cache_memory_bytes`` on such an engine.
+
 A break must never raise: an exception escaping one would end the replay half
 way, with every later layer of every request in the batch left unrun. nnsight's
 handoff already defers a block's errors to its request
@@ -31,7 +37,7 @@ from typing import Any
 
 import torch
 
-from ..values.layouts import Located
+from ..values.layouts import Located, unavailable_reason
 from ..values.names import OWNERS
 from ..values.reads import located
 from ..wire.requests import SITES_KEY
@@ -45,14 +51,16 @@ OPT_IN = "VLENVOYS_SITED_GRAPHS"
 def site_locations(model: Any, sites: Mapping[str, Any]) -> frozenset[str] | None:
     """The handoff locations (``model.layers.3.output``) of declared ``sites`` ({value name: blocks}) on ``model``'s
     tree, or None where some site's value has no one location (a value derived from several: such an engine keeps
-    running traced steps eagerly)."""
+    running traced steps eagerly). A value this model lacks (a router's logits on a dense model) has none: a read of
+    it raises in the block before it waits anywhere."""
     found = set()
     for name, blocks in sites.items():
         for block in blocks:
             envoy, value = located(model, (block, OWNERS[name], name))
             if not isinstance(value, Located):
                 return None
-            found.add(value._location(envoy))
+            if unavailable_reason(envoy, name) is None:
+                found.add(value._location(envoy))
     return frozenset(found)
 
 
@@ -65,6 +73,8 @@ def _weak(value: Any) -> Any:
         return weak_ref_tensor(value) if value.is_cuda else value
     if isinstance(value, (tuple, list)):
         return type(value)(_weak(item) for item in value)
+    if isinstance(value, dict):
+        return {key: _weak(item) for key, item in value.items()}
     return value
 
 
@@ -77,6 +87,9 @@ def _copy_into(live: Any, edited: Any) -> None:
     elif isinstance(live, (tuple, list)):
         for live_item, edited_item in zip(live, edited, strict=True):
             _copy_into(live_item, edited_item)
+    elif isinstance(live, dict):
+        for key, live_item in live.items():
+            _copy_into(live_item, edited[key])
 
 
 class _Break:
@@ -92,6 +105,8 @@ class _Break:
         interleaver = self.interleaver
         if not interleaver.interleaving or self.graphs.capturing:
             return
+        if not interleaver.mediators:  # no block in this step (a request's block ended at its prefill)
+            return
         try:
             total = interleaver.batcher.total
             live = self.live
@@ -104,11 +119,16 @@ class _Break:
 
 
 def _rows(value: Any, total: int) -> Any:
-    """``value`` cut to the step's ``total`` rows (a graph is captured for a padded batch)."""
+    """``value`` cut to the step's ``total`` tokens (a graph is captured for a padded batch): the first dim of vLLM's
+    flat ``[tokens, ...]`` rows, the second of the transformers backend's ``[1, tokens, ...]``."""
     if isinstance(value, torch.Tensor):
+        if value.dim() >= 2 and value.shape[0] == 1 and value.shape[1] > total:
+            return value[:, :total]
         return value[:total] if value.dim() and value.shape[0] > total else value
     if isinstance(value, (tuple, list)):
         return type(value)(_rows(item, total) for item in value)
+    if isinstance(value, dict):
+        return {key: _rows(item, total) for key, item in value.items()}
     return value
 
 
