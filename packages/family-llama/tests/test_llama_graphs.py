@@ -19,6 +19,7 @@ import vlenvoys
 import vlenvoys_testing as testing
 from vlenvoys_testing import oracle
 from vlenvoys_testing.conformance import close, same_rows, steered_in_a_trace
+from vlenvoys.wire.requests import EAGER_KEY
 from vlenvoys.wire.requests import STEER_KEY as KEY
 from vlenvoys.wire.steering import Entry, text
 from vlenvoys.worker.steerer import REFUSED
@@ -148,6 +149,34 @@ def test_a_trace_reads_declared_sites_on_every_step_as_the_eager_engine(subject,
                 if name != "logits":
                     assert a.shape == (1, tokens, subject.hidden_size), (name, step, a.shape)
                 assert same_rows(a, b, subject), (name, step)
+
+
+@pytest.mark.parametrize(
+    "body, eager",
+    [
+        ("model.layers[2].layer_output.save()", False),
+        ("model.steer(1, torch.ones(model.hidden_size))", False),
+        ("model.skip_layer(1)", True),
+        ("model.input_ids.save()", True),
+    ],
+)
+def test_a_block_that_waits_off_the_sites_asks_for_eager_steps(graph_engine, monkeypatch, body, eager):
+    """A block that names what a graph broken only at the sites would pass (the embedding's input, a block's input
+    for ``skip_layer``) marks its requests: their steps run eagerly (`vlenvoys.worker.sited`); other blocks do not."""
+    engine = graph_engine.vllm_entrypoint.llm_engine
+    marks = []
+    add = engine.add_request
+
+    def seen(request_id, prompt, params, *args, **kwargs):
+        marks.append(bool((params.extra_args or {}).get(EAGER_KEY)))
+        return add(request_id, prompt, params, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "add_request", seen)
+    source = f"with model.trace([1, 2, 3], max_tokens=2):\n    {body}\n"
+    name = f"<trace {len(linecache.cache)}>"  # nnsight reads a block's source through linecache
+    linecache.cache[name] = (len(source), None, source.splitlines(keepends=True), name)
+    exec(compile(source, name, "exec"), {"model": graph_engine, "torch": torch})
+    assert marks == [eager]
 
 
 @on_llama

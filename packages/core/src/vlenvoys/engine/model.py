@@ -27,7 +27,7 @@ from ..values.family import Architecture, InstalledFamily
 from ..values.layouts import Checked, Derived, Residual, argument, checked_tensor
 from ..values.names import OWNERS, hint
 from ..values.parallel import gather_vocab
-from ..wire.requests import PRIVATE
+from ..wire.requests import EAGER_KEY, PRIVATE
 from ..wire.shm import engine_named
 from .processes import (
     interrupts_held_while_starting,
@@ -174,6 +174,9 @@ class StandardizedVLLM(VLLM):
         # vLLM's progress bars only where the trace asked for them (`trace`'s ``progress``).
         with abandoned_on_error(self):  # an interrupted trace leaves nothing running on the engine
             mediators = self._attach_mediators(params, **kwargs)
+            for param in params:  # nnsight's attach writes extra_args afresh: the flag goes in after it
+                if getattr(param, "vlenvoys_eager", False):
+                    param.extra_args[EAGER_KEY] = True
             outputs = self.vllm_entrypoint.generate(
                 prompts, sampling_params=params, lora_request=lora_requests, use_tqdm=use_tqdm
             )

@@ -49,6 +49,10 @@ class Generation(VLLMTracer):
             check(self.node, None if self.info is None else self.info.frame, model.sites, len(layers),
                   {"layers", layers.path.rsplit(".", 1)[-1]})
         prepared = super().prepare(code)
+        if getattr(model, "cuda_graphs", False) and waits_off_the_sites(self.node):
+            _, params, _ = prepared[1]
+            for param in params:  # its steps run eagerly: a sited graph would pass where the block waits
+                param.vlenvoys_eager = True  # into extra_args once nnsight has attached the block (`_call`)
         warn_raw_output(self)
         return prepared
 
@@ -70,6 +74,19 @@ class Trace(Generation):
                 if not GENERATION_LENGTH & getattr(param, "nnsight_named", frozenset()):
                     param.max_tokens = 1
         return mediators, args, kwargs
+
+
+#: What a block may reach on a graph engine that waits at no declared site: the embedding's input, a block's input
+#: (``skip_layer``), every module (``tracer.cache()``).
+OFF_THE_SITES = frozenset({"input_ids", "input_size", "skip_layer", "skip_layers", "cache"})
+
+
+def waits_off_the_sites(node: ast.AST | None) -> bool:
+    """Whether a trace's block names something a graph broken only at the declared sites would pass without
+    serving (`OFF_THE_SITES`), read from its source as nnsight captured it (not the functions it calls)."""
+    return node is not None and any(
+        isinstance(each, ast.Attribute) and each.attr in OFF_THE_SITES for each in ast.walk(node)
+    )
 
 
 def steps_through(node: ast.AST | None) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
-    "COLLECT_GENERATED_KEY", "COLLECT_ID_KEY", "COLLECT_KEY", "PRIVATE", "SITES_KEY", "STEER_KEY",
+    "COLLECT_GENERATED_KEY", "COLLECT_ID_KEY", "COLLECT_KEY", "EAGER_KEY", "PRIVATE", "SITES_KEY", "STEER_KEY",
     "carries_nnsight_work",
 ]
 
@@ -22,6 +22,9 @@ STEER_KEY = "vlenvoys_steer"
 #: vLLM's ``additional_config`` key (an engine's, not a request's): a graph engine's declared sites, {value: blocks},
 #: for the workers' sited graphs (`vlenvoys.worker.sited`).
 SITES_KEY = "vlenvoys_sites"
+#: ``SamplingParams.extra_args`` key: the request's block waits where a sited graph has no break (``input_ids``,
+#: ``skip_layer``, ``tracer.cache()``), so its steps run eagerly (`vlenvoys.worker.sited`).
+EAGER_KEY = "vlenvoys_eager"
 #: Registrations named with this prefix run only on requests that list them in ``edits=[...]``.
 PRIVATE = "vlenvoys-private:"
 

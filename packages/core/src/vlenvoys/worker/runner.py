@@ -17,7 +17,7 @@ from ..engine.model import StandardizedVLLM
 from ..values.family import resolve
 from ..values.parallel import KernelFragments
 from ..values.reads import unsteerable
-from ..wire.requests import carries_nnsight_work
+from ..wire.requests import EAGER_KEY, carries_nnsight_work
 from . import collector, sited, steerer
 from .collector import step_spans
 from .saves import send_back_what_can_be_sent, stop_sending
@@ -87,9 +87,12 @@ class StandardRunner:
             # caches, or erred). A trace whose block is done (read at the prefill) leaves the graphs to the rest.
             eager = bool(self.nnsight_model.interleaver.mediators)
             graphs = getattr(self, "vlenvoys_sited_graphs", None)
-            if graphs is not None:
+            if graphs is not None and eager and not any(
+                EAGER_KEY in ((self.requests[held].sampling_params.extra_args or {}) if held in self.requests else {})
+                for held in scheduler_output.num_scheduled_tokens
+            ):
                 # A traced decode step replays the graph broken at the declared sites (`vlenvoys.worker.sited`).
-                graphs.sited_step, eager = eager, False
+                graphs.sited_step, eager = True, False
         else:
             eager = False
             # No block in flight or installed, none arriving: nnsight's bookkeeping (its harvest, its spans of
