@@ -11,6 +11,7 @@ import contextlib
 import os
 import re
 import signal
+import sys
 
 import psutil
 import pytest
@@ -115,12 +116,20 @@ def test_an_edit_on_step_three_changes_only_what_follows(subject):
     assert not torch.equal(plain[3], edited[3])
 
 
+def _interrupted(model, hidden):
+    model.layers[1].layer_output.save()
+    raise KeyboardInterrupt("in the block")
+
+
 FAULTS = {
     "token count": lambda model, hidden: setattr(model.layers[1], "layer_output", torch.zeros(1, 99, hidden)),
     "hidden size": lambda model, hidden: setattr(model.layers[1], "layer_output", torch.zeros(1, 3, hidden + 1)),
     "dtype": lambda model, hidden: setattr(model.layers[1], "layer_mid", model.layers[1].layer_mid.half()),
     "device": lambda model, hidden: setattr(model.layers[1], "layer_mid", torch.zeros(1, 3, hidden, device="meta")),
     "exception in the block": lambda model, hidden: (model.layers[1].layer_output.save(), 1 / 0),
+    # Raised where the block runs, in the engine's worker, these two ended the engine (nnsight defers Exception only).
+    "sys.exit in the block": lambda model, hidden: (model.layers[1].layer_output.save(), sys.exit(3)),
+    "KeyboardInterrupt in the block": _interrupted,
     "unavailable value": lambda model, hidden: model.layers[1].mlp.mlp_activation.save(),
     # A token outside the vocabulary ended the engine at the next step's embedding lookup (its request goes on).
     "token past the vocabulary": lambda model, hidden: setattr(model, "samples", model.samples + 10**6),
@@ -136,6 +145,8 @@ RAISED = {
     "dtype": (vlenvoys.InvalidWrite, "layer_mid: expected dtype torch.float32, got torch.float16"),
     "device": (vlenvoys.InvalidWrite, "layer_mid: expected a tensor on .+, got one on meta, which holds no data"),
     "exception in the block": (ZeroDivisionError, "division by zero"),
+    "sys.exit in the block": (vlenvoys.BlockExit, "the trace's block raised SystemExit: 3; its request ended there"),
+    "KeyboardInterrupt in the block": (vlenvoys.BlockExit, "raised KeyboardInterrupt: in the block; its request ended"),
     "unavailable value": (vlenvoys.Unavailable, "mlp_activation is unavailable"),
     "token past the vocabulary": (vlenvoys.InvalidWrite, r"model.samples: token ids must be in \[0, \d+\)"),
     "negative token": (vlenvoys.InvalidWrite, r"model.samples: token ids must be in \[0, \d+\)"),

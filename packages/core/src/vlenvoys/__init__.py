@@ -8,7 +8,7 @@
 
 from .collect import collect
 from .engine import StandardizedVLLM, load, on_transformers_backend, shutdown
-from .errors import DECODE_STEP, FUSED_ROUTING, GATED, NOT_ROUTED, PARALLEL, ROUTED, InvalidWrite, NoSuchBlock, Preempted, RawOutputWarning, ReadOnly, SkipRefused, Unavailable, UnknownArchitecture, UnsupportedVLLM
+from .errors import DECODE_STEP, FUSED_ROUTING, GATED, NOT_ROUTED, PARALLEL, ROUTED, BlockExit, InvalidWrite, NoSuchBlock, Preempted, RawOutputWarning, ReadOnly, SkipRefused, Unavailable, UnknownArchitecture, UnsupportedVLLM
 from .steer import Steering, generate
 from .values import Derived, Experts, Flat, Heads, KeyValueHeads, Neurons, Pattern, Residual, Routes, argument, batched, summed, summed_output, unbatched, with_argument
 from .values.envoys import (
@@ -54,6 +54,7 @@ __all__ = [
     "ParallelLayer",
     "Pattern",
     "Preempted",
+    "BlockExit",
     "RawOutputWarning",
     "ReadOnly",
     "Residual",

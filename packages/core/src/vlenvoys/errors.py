@@ -5,7 +5,7 @@ from __future__ import annotations
 import builtins
 import re
 
-__all__ = ["DECODE_STEP", "FUSED_ROUTING", "GATED", "NOT_ROUTED", "PARALLEL", "ROUTED", "InvalidWrite", "NoSuchBlock", "Preempted", "RawOutputWarning", "ReadOnly", "SkipRefused", "UnknownArchitecture", "Unavailable", "UnsupportedVLLM"]
+__all__ = ["DECODE_STEP", "FUSED_ROUTING", "GATED", "NOT_ROUTED", "PARALLEL", "ROUTED", "BlockExit", "InvalidWrite", "NoSuchBlock", "Preempted", "RawOutputWarning", "ReadOnly", "SkipRefused", "UnknownArchitecture", "Unavailable", "UnsupportedVLLM"]
 
 #: Scores and patterns are recomputed from one step's queries and keys; on a decode step the
 #: earlier keys are in vLLM's KV cache, which only its kernel reads.
@@ -81,7 +81,7 @@ def reraise(error: RuntimeError) -> None:
     message = rest.split("\n\nIntervention traceback:")[0]
     if name == "Unavailable":
         raise Unavailable.from_message(message) from error
-    simple = {cls.__name__: cls for cls in (InvalidWrite, NoSuchBlock, Preempted, ReadOnly, SkipRefused)}
+    simple = {cls.__name__: cls for cls in (BlockExit, InvalidWrite, NoSuchBlock, Preempted, ReadOnly, SkipRefused)}
     if name in simple:
         raise simple[name](message) from error
     if "Expected all tensors to be on the same device" in text:  # torch's words, however nnsight wraps them
@@ -140,6 +140,15 @@ class InvalidWrite(ValueError):
 
     The model keeps what it had, and the engine goes on serving every other
     request in the step.
+    """
+
+
+class BlockExit(RuntimeError):
+    """A trace's block raised ``SystemExit`` (``sys.exit()``) or ``KeyboardInterrupt`` where it runs, in the engine's
+    worker process: its request ends with this error, as with any other error in a block, and the engine goes on.
+
+    Raised there, either would end the worker and with it the engine. Ctrl-C in the caller's process is not this: it
+    interrupts the trace from outside and is raised as ``KeyboardInterrupt`` there.
     """
 
 

@@ -25,6 +25,7 @@ from .steerer import Steerer, plan_step
 from .tracing import (
     SplicingBatcher,
     compile_blocks_once,
+    contain_block_exits,
     end_open_iterations,
     instrument_sources,
     refuse_recomputed,
@@ -128,6 +129,7 @@ class StandardRunner:
         serve_private_edits(self.nnsight_requests)
         track_only_nnsight_work(self.nnsight_requests)
         compile_blocks_once()
+        contain_block_exits()
         send_back_what_can_be_sent(self)
         end_open_iterations(self.model_config.max_model_len)
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from nnsight.modeling.vllm.batching import VLLMBatcher
 
-from ..errors import Preempted
+from ..errors import BlockExit, Preempted
 from ..values.envoys import StandardEnvoy
 from ..values.support import values_of
 from ..wire.requests import PRIVATE, carries_nnsight_work
@@ -126,6 +126,28 @@ def compile_blocks_once() -> None:
     load_function.__module__, load_function.__qualname__ = load.__module__, load.__qualname__  # pickles as nnsight's
     serialization._load_function = load_function
     Mediator.__setstate__ = setstate
+
+
+def contain_block_exits() -> None:
+    """Worker side: ``sys.exit()`` or ``raise KeyboardInterrupt`` in a traced block ends that block's request with
+    `vlenvoys.errors.BlockExit`, as its other errors do; raised out of the worker's greenlet, either would pass
+    nnsight's deferral of a block's errors (it catches ``Exception``) and end the engine."""
+    from nnsight.intervention.interleaver import Mediator
+
+    run = Mediator._run
+    if getattr(run, "vlenvoys", False):
+        return
+
+    def contained(self: Mediator) -> None:
+        try:
+            run(self)
+        except (SystemExit, KeyboardInterrupt) as stopped:
+            said = f": {stopped}" if str(stopped) else ""
+            raise BlockExit(f"the trace's block raised {type(stopped).__name__}{said}; its request ended there, and "
+                            "the engine goes on") from None
+
+    contained.vlenvoys = True
+    Mediator._run = contained
 
 
 #: The most steps an open-ended ``tracer.iter[:]`` hands out in a worker (`end_open_iterations`).
