@@ -121,6 +121,20 @@ def test_traces_without_declared_sites_are_refused_by_name(tmp_path):
                 pass
 
 
+def each_step_as_the_eager_engines(subject, prompts, got, want, steps):
+    """Each prompt's reads (block 0's stream, block 1's attention output, the last block's stream, the logits) at
+    each of ``steps`` steps: whole rows, equal to the eager engine's."""
+    for prompt, mine, theirs in zip(prompts, got, want, strict=True):
+        assert len(mine) == len(theirs) == steps
+        for step, (ours, eager) in enumerate(zip(mine, theirs, strict=True)):
+            tokens = len(prompt) if step == 0 else 1
+            for name, a, b in zip(("layers_output[0]", "attention_output", "layer_output", "logits"), ours, eager,
+                                  strict=True):
+                if name != "logits":
+                    assert a.shape == (1, tokens, subject.hidden_size), (name, step, a.shape)
+                assert same_rows(a, b, subject), (name, step)
+
+
 @on_llama
 def test_a_trace_reads_declared_sites_on_every_step_as_the_eager_engine(subject, graph_engine):
     """#48: a generation traced on the graph engine serves its declared sites on the prefill and on every decode
@@ -140,15 +154,7 @@ def test_a_trace_reads_declared_sites_on_every_step_as_the_eager_engine(subject,
         return rows
 
     got, want = read(graph_engine), read(subject.model)
-    for prompt, mine, theirs in zip(subject.prompts[:2], got, want, strict=True):
-        assert len(mine) == len(theirs) == steps
-        for step, (ours, eager) in enumerate(zip(mine, theirs, strict=True)):
-            tokens = len(prompt) if step == 0 else 1
-            for name, a, b in zip(("layers_output[0]", "attention_output", "layer_output", "logits"), ours, eager,
-                                  strict=True):
-                if name != "logits":
-                    assert a.shape == (1, tokens, subject.hidden_size), (name, step, a.shape)
-                assert same_rows(a, b, subject), (name, step)
+    each_step_as_the_eager_engines(subject, subject.prompts[:2], got, want, steps)
 
 
 @pytest.mark.parametrize(
@@ -210,15 +216,7 @@ def test_traced_decode_steps_replay_the_graph_broken_at_the_sites(subject, tmp_p
         got, want = traced(model), traced(subject.model)
         after = engine.collective_rpc("vlenvoys_sited_stats")[0]
     assert after["replays"] - before["replays"] >= steps - 1, (before, after)  # the decode steps, not eager ones
-    for prompt, mine, theirs in zip(subject.prompts[:3], got, want, strict=True):
-        assert len(mine) == len(theirs) == steps
-        for step, (ours, eager) in enumerate(zip(mine, theirs, strict=True)):
-            tokens = len(prompt) if step == 0 else 1
-            for name, a, b in zip(("layers_output[0]", "attention_output", "layer_output", "logits"), ours, eager,
-                                  strict=True):
-                if name != "logits":
-                    assert a.shape == (1, tokens, subject.hidden_size), (name, step, a.shape)
-                assert same_rows(a, b, subject), (name, step)
+    each_step_as_the_eager_engines(subject, subject.prompts[:3], got, want, steps)
 
 
 @pytest.mark.parametrize(
