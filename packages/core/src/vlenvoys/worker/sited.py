@@ -120,10 +120,9 @@ class _Break:
 
 def _rows(value: Any, total: int) -> Any:
     """``value`` cut to the step's ``total`` tokens (a graph is captured for a padded batch): the first dim of vLLM's
-    flat ``[tokens, ...]`` rows, the second of the transformers backend's ``[1, tokens, ...]``."""
+    flat ``[tokens, ...]`` rows. (The transformers backend's ``[1, tokens, ...]`` would need the second, and a
+    one-token step cannot tell the two apart: `install` keeps that backend's traced steps eager.)"""
     if isinstance(value, torch.Tensor):
-        if value.dim() >= 2 and value.shape[0] == 1 and value.shape[1] > total:
-            return value[:, :total]
         return value[:total] if value.dim() and value.shape[0] > total else value
     if isinstance(value, (tuple, list)):
         return type(value)(_rows(item, total) for item in value)
@@ -207,8 +206,8 @@ def install(runner: Any, model: Any) -> SitedGraphs | None:
         return None
     from vllm.compilation.cuda_graph import CUDAGraphWrapper
 
-    if not isinstance(runner.model, CUDAGraphWrapper):
-        return None
+    if not isinstance(runner.model, CUDAGraphWrapper) or type(runner.get_model()).__name__.startswith("Transformers"):
+        return None  # no FULL graphs; or the transformers backend's [1, tokens] rows (`_rows`)
     locations = site_locations(model, {name: frozenset(blocks) for name, blocks in sites.items()})
     if not locations:
         return None
