@@ -177,6 +177,19 @@ def test_a_faulty_request_ends_alone(subject, fault):
     assert torch.equal(again, alone), "the engine must go on serving"
 
 
+@pytest.mark.parametrize("subject", ["LlamaForCausalLM"], indirect=True)
+@pytest.mark.parametrize("call", ["trace", "generate"])
+def test_a_trace_without_a_prompt_says_so(subject, call):
+    """A trace or generation that reads with no prompt, its own or an invoke's, says so before anything is sent
+    (nnsight's error named vLLM's module path and "interleaving")."""
+    model = subject.model
+    with pytest.raises(ValueError, match="this trace has no prompt where it reads: pass one"):
+        with getattr(model, call)(max_tokens=1):
+            model.layers[1].layer_output.save()
+    (stream, _), = run(model, [subject.prompts[0]])  # the engine goes on
+    assert stream.shape[1] == len(subject.prompts[0])
+
+
 #: Where a call is interrupted: (the synchronous engine's method that raises KeyboardInterrupt, at which call of it).
 INTERRUPTS = {"while its requests are added": ("add_request", 2), "at its first step": ("step", 1), "at a later step": ("step", 4)}
 

@@ -48,7 +48,17 @@ class Generation(VLLMTracer):
             layers = model.layers
             check(self.node, None if self.info is None else self.info.frame, model.sites, len(layers),
                   {"layers", layers.path.rsplit(".", 1)[-1]})
-        prepared = super().prepare(code)
+        try:
+            prepared = super().prepare(code)
+        except ValueError as error:
+            # With no prompt of the trace's own, nnsight runs the block here to find its invokes, and a read outside
+            # one fails naming vLLM's module path and "interleaving".
+            if "outside of interleaving" not in str(error) or model._batch_size(*self.args, **self.kwargs):
+                raise
+            raise ValueError(
+                "this trace has no prompt where it reads: pass one, model.trace('The Eiffel Tower is in', ...), or "
+                f"read inside an invoke, with tracer.invoke('...'): ({error})"
+            ) from None
         if getattr(model, "cuda_graphs", False) and waits_off_the_sites(self.node):
             _, params, _ = prepared[1]
             for param in params:  # its steps run eagerly: a sited graph would pass where the block waits
