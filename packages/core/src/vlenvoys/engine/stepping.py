@@ -118,10 +118,9 @@ class StandardLLMEngine(NNsightLLMEngine):
             collected = merge_collected(self.engine_core.collective_rpc("collect_nnsight", args=(ids, ids, pickle.dumps(calls))))
         if flushed:  # only now: an interrupt or error in the call leaves them for `abandoned_on_error` to wind up
             self.vlenvoys_waiting = {}
-        # By the output object, not its id: a waiting output is handed its entry only when its trace's call is made.
-        kept, handed = {id(output) for output in self.vlenvoys_waiting.values()}, {id(output) for output in flushed.values()}
         for output in outputs:
-            if not output.finished or id(output) in kept or id(output) in handed:
+            # This step's block outputs are handed their entries below, once their trace's call is made.
+            if not output.finished or output.request_id in waiting:
                 continue
             if output.request_id not in asking:
                 attach(output, _nothing())
