@@ -56,6 +56,14 @@ def test_the_scaled_vector_is_bounded_in_the_model_dtype():
         checked(factor=True)
     with pytest.raises(ValueError, match=r"expected shape \[8\]"):
         checked(vector=torch.ones(HIDDEN + 1))
+    with pytest.raises(ValueError, match=r"or \[1, 8\], got \[2, 8\]"):
+        checked(vector=torch.ones(2, HIDDEN))
+    with pytest.raises(TypeError, match="expected a real tensor"):
+        checked(vector=torch.ones(HIDDEN, dtype=torch.complex64))
+    with pytest.raises(TypeError, match="expected a real tensor"):
+        checked(vector=[1.0] * HIDDEN)
+    # What nnterp's steer adds, a [1, hidden] row or integers, is the [hidden] float vector's steering.
+    assert checked(vector=torch.ones(1, HIDDEN, dtype=torch.int64)) == checked()
     with pytest.raises(NoSuchBlock):
         checked(layers=LAYERS)
     with pytest.raises(ValueError, match="non-negative"):

@@ -209,9 +209,37 @@ def test_topk_closest_tokens_of_the_last_stream_are_the_logits_top_k(subject):
 def test_steer_refuses_a_vector_of_another_width(subject):
     model, prompt = subject.model, subject.prompts[2]
     baseline = logits_of(model, prompt)
-    with pytest.raises(ValueError, match=rf"expected a tensor of shape \[{subject.hidden_size}\]"):
-        logits_of(model, prompt, lambda m: m.steer(1, torch.ones(subject.hidden_size + 3)))
+    hidden = subject.hidden_size
+    for vector, error, message in (
+        (torch.ones(hidden + 3), ValueError, rf"expected shape \[{hidden}\]"),
+        (torch.ones(2, hidden), ValueError, rf"or \[1, {hidden}\], got \[2, {hidden}\]"),  # not a row per position
+        (torch.ones(hidden, dtype=torch.bool), TypeError, "expected a real tensor"),
+    ):
+        with pytest.raises(error, match=message):
+            logits_of(model, prompt, lambda m, vector=vector: m.steer(1, vector))
+        with pytest.raises(error, match=message):  # the same check, before anything is submitted
+            vlenvoys.Steering(1, vector).encode(model)
     assert torch.equal(logits_of(model, prompt), baseline)
+
+
+@on_tiny_llama
+def test_steer_and_steering_take_the_same_vectors(subject):
+    """A new user's trial: ``model.steer`` took an integer or ``[1, hidden]`` vector that `vlenvoys.Steering`
+    refused. Both take what nnterp's steer adds, and steer alike."""
+    from vllm import SamplingParams
+
+    model, prompt = subject.model, subject.prompts[2]
+    whole = torch.arange(subject.hidden_size) % 5 - 2  # int64
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=5, detokenize=False)
+    plain = vlenvoys.generate(model, [prompt], params, progress=False)[0].outputs[0].logprobs[0]
+    for vector in (whole, whole[None].float(), whole[None]):
+        by_trace = logits_of(model, prompt, lambda m, vector=vector: m.steer(1, vector, factor=0.5))
+        assert torch.equal(by_trace, logits_of(model, prompt, lambda m: m.steer(1, 0.5 * whole.float())))
+        steered = vlenvoys.generate(model, [prompt], params, steering=vlenvoys.Steering(1, vector, 0.5),
+                                    progress=False)[0].outputs[0].logprobs[0]
+        assert steered != plain
+        top = by_trace.topk(5)
+        assert sorted(steered) == sorted(top.indices.tolist())
 
 
 @on_tiny_llama

@@ -28,6 +28,7 @@ from ..values.layouts import Checked, Derived, Residual, argument, checked_tenso
 from ..values.names import OWNERS, hint
 from ..values.parallel import gather_vocab
 from ..wire.requests import EAGER_KEY, PRIVATE
+from ..wire.steering import steering_vector as checked_vector
 from ..wire.shm import engine_named
 from .processes import (
     interrupts_held_while_starting,
@@ -400,8 +401,9 @@ class StandardizedVLLM(VLLM):
     ) -> None:
         """Add ``factor * steering_vector`` (``[hidden_size]``) to the output stream of ``layers``.
 
-        The vector may live on any device and in any float dtype: it is moved
-        to the stream's (the engine's device, the model's dtype), as nnterp does.
+        The vector may live on any device and in any real dtype, and may be
+        ``[1, hidden_size]``: it is moved to the stream's (the engine's device,
+        the model's dtype), as nnterp does. `vlenvoys.Steering` takes the same vectors.
 
         nnterp's ``steer``: at ``token_positions`` (every position when None),
         in place, inside a trace. On a generation it steers the step it is
@@ -414,8 +416,9 @@ class StandardizedVLLM(VLLM):
         Raises:
             NoSuchBlock: a block that does not exist (checked before any block is steered; an IndexError).
             ValueError: both ``positions`` and ``token_positions``, a
-                ``batch_index`` other than None or 0, or a vector whose last axis
-                is not ``hidden_size``.
+                ``batch_index`` other than None or 0, or a vector of another
+                shape than ``[hidden_size]`` or ``[1, hidden_size]``.
+            TypeError: a vector that is not a real tensor.
             IndexError: a token position the stream does not have (in the trace: the prompt's
                 tokens on the prefill, one on a decode step).
             InvalidWrite: the steered stream has NaN or infinite entries (see `values.unbatched`).
@@ -430,9 +433,7 @@ class StandardizedVLLM(VLLM):
                 f"batch_index={batch_index!r}: each invoke is its own vLLM request, a batch of one (index 0); "
                 "steer another prompt inside its own tracer.invoke"
             )
-        shape = tuple(getattr(steering_vector, "shape", ()))
-        if not isinstance(steering_vector, torch.Tensor) or shape[-1:] != (self.hidden_size,):
-            raise ValueError(f"steering_vector: expected a tensor of shape [{self.hidden_size}] (hidden_size), got {list(shape)}")
+        steering_vector = checked_vector(steering_vector, self.hidden_size, "steering_vector")
         positions = slice(None) if token_positions is None else token_positions
         count = self.num_layers
         indices = [layers] if isinstance(layers, int) else layers

@@ -35,7 +35,7 @@ class Steering:
     Attributes:
         layers: A block index or several (negative count from the end); the
             stream is `layer_output`, read where a trace reads it.
-        vector: ``[hidden_size]``, any float dtype, any device; it is moved to
+        vector: ``[hidden_size]`` (or ``[1, hidden_size]``), any real dtype, any device; it is moved to
             the engine's device and cast to the model's dtype, then multiplied
             by ``factor`` there, as ``model.steer`` does.
         factor: The vector's multiplier.
@@ -63,7 +63,7 @@ class Steering:
                 finite, a scaled vector with non-finite entries or entries
                 beyond the square root of the dtype's largest value, or
                 negative or stepped positions.
-            TypeError: a vector that is not a float tensor, a factor that is
+            TypeError: a vector that is not a real tensor, a factor that is
                 not a number, blocks that are not ints.
         """
         return self.encode_for(model.hidden_size, model.num_layers, _dtype(model))

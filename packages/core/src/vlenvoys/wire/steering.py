@@ -28,7 +28,7 @@ import torch
 
 from ..values.envoys import block_index
 
-__all__ = ["MAX_POSITIONS", "NAMED_POSITIONS", "Entry", "Overlap", "entry", "read", "salt_of", "text"]
+__all__ = ["MAX_POSITIONS", "NAMED_POSITIONS", "Entry", "Overlap", "entry", "read", "salt_of", "steering_vector", "text"]
 
 #: Positions resolved by the worker from the request's prompt: its own, or every one after it.
 NAMED_POSITIONS = ("prompt", "generated")
@@ -50,6 +50,27 @@ class Entry:
     positions: Any = None
 
 
+def steering_vector(vector: Any, hidden_size: int, name: str) -> torch.Tensor:
+    """``vector`` as the ``[hidden_size]`` tensor a steering adds: the one check of `entry` and of ``model.steer``.
+
+    Takes what nnterp's ``steer`` adds to the stream: a real tensor (float or integer) of shape
+    ``[hidden_size]``, or with leading axes of size 1 (``[1, hidden_size]``), which broadcast to every
+    position alike. ``name`` is the argument named in the errors.
+
+    Raises:
+        TypeError: not a tensor, or a bool or complex one.
+        ValueError: another last axis, or a leading axis of another size than 1 (``[2, hidden_size]`` would
+            add a different row at each position, or fail, depending on the prompt's length).
+    """
+    if not isinstance(vector, torch.Tensor) or vector.dtype == torch.bool or vector.is_complex():
+        got = f"a {vector.dtype} tensor" if isinstance(vector, torch.Tensor) else type(vector).__name__
+        raise TypeError(f"{name}: expected a real tensor of shape [{hidden_size}] (hidden_size), got {got}")
+    shape = list(vector.shape)
+    if shape[-1:] != [hidden_size] or any(size != 1 for size in shape[:-1]):
+        raise ValueError(f"{name}: expected shape [{hidden_size}] (hidden_size), or [1, {hidden_size}], got {shape}")
+    return vector.reshape(hidden_size)
+
+
 def entry(
     layers: Any, vector: Any, factor: Any, positions: Any, *, hidden_size: int, num_layers: int, dtype: torch.dtype
 ) -> Entry:
@@ -60,17 +81,14 @@ def entry(
         ValueError: a vector of another shape, a factor that is not finite, a scaled vector with
             non-finite entries or entries beyond the square root of the dtype's largest value, a
             norm beyond the square root of float32's, or negative or stepped positions.
-        TypeError: a vector that is not a float tensor, a factor that is not a number, blocks that are not ints.
+        TypeError: a vector that is not a real tensor (`steering_vector`), a factor that is not a number, blocks
+            that are not ints.
     """
-    if not isinstance(vector, torch.Tensor) or not vector.is_floating_point():
-        got = f"a {vector.dtype} tensor" if isinstance(vector, torch.Tensor) else type(vector).__name__
-        raise TypeError(f"Steering.vector: expected a float tensor of shape [{hidden_size}], got {got}")
+    vector = steering_vector(vector, hidden_size, "Steering.vector")
     if not isinstance(factor, numbers.Real) or isinstance(factor, bool):
         raise TypeError(f"Steering.factor: expected a finite number, got {factor!r}")
     if not math.isfinite(factor):
         raise ValueError(f"Steering.factor: expected a finite number, got {factor!r}")
-    if tuple(vector.shape) != (hidden_size,):
-        raise ValueError(f"Steering.vector: expected shape [{hidden_size}] (hidden_size), got {list(vector.shape)}")
     listed = [layers] if isinstance(layers, int) else layers
     if not isinstance(listed, (list, tuple, range)) or not listed or not all(
         isinstance(layer, int) and not isinstance(layer, bool) for layer in listed
