@@ -28,8 +28,8 @@ from ..values.layouts import Checked, Derived, Residual, argument, checked_tenso
 from ..values.names import OWNERS, hint
 from ..values.parallel import gather_vocab
 from ..wire.requests import EAGER_KEY, PRIVATE
-from ..wire.steering import steering_vector as checked_vector
 from ..wire.shm import engine_named
+from ..wire.steering import steering_vector as checked_vector
 from .processes import (
     interrupts_held_while_starting,
     interrupts_stay_with_the_caller,
