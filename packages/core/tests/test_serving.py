@@ -68,6 +68,9 @@ def test_entries_of_several_vectors_are_one_spec_each():
     ([{"layer": 0, "vector": [1.0] * HIDDEN, "factor": 1e19}], "has a norm beyond"),
     ([{"layer": 0, "vector": [1.5e19] * HIDDEN}], "has a norm beyond"),
     ([{"layer": 0, "vector": [1.0] * HIDDEN}, {"layer": -4, "vector": [2.0] * HIDDEN}], "steering[1]: block 0 is steered by two"),
+    # A value that is no string (CI's server log: TypeError, unhashable type 'list', an exception in the server).
+    ([{"value": ["layer_output"], "layer": 0, "vector": [1.0] * HIDDEN}], "unknown value ['layer_output']"),
+    ([{"value": {"a": 1}, "layer": 0, "vector": [1.0] * HIDDEN}], "unknown value {'a': 1}"),
 ])
 def test_a_field_the_model_cannot_take_says_why(field, reason):
     with pytest.raises(SteeringError) as raised:

@@ -164,7 +164,7 @@ def steering_spec(field: Any, hidden_size: int, num_layers: int, dtype: torch.dt
     for where, given in field_entries(field, "steering", ENTRY_KEYS, MAX_ENTRIES, SteeringError):
         value = given.get("value", "layer_output")
         if value not in STEERABLE:
-            if value in OWNERS:
+            if isinstance(value, str) and value in OWNERS:  # JSON may give a list or an object: no dict key
                 raise SteeringError(f"{where}: steering {value!r} is not served yet; served: {', '.join(STEERABLE)}")
             raise SteeringError(f"{where}: unknown value {value!r}; served: {', '.join(STEERABLE)}")
         if "layer" not in given:
