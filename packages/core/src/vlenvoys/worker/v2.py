@@ -113,14 +113,23 @@ class NNsightV2Runner:
         finished = getattr(scheduler_output, "finished_req_ids", None)
         if finished:
             self.nnsight_requests.harvest(set(finished))
+            live = getattr(self, "vlenvoys_live", None)
+            if live:
+                live.difference_update(finished)
         super().finish_requests(scheduler_output, *args, **kwargs)
 
     def add_requests(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> None:
-        resumed = [data for data in scheduler_output.scheduled_new_reqs if data.req_id in self.nnsight_requests.requests]
+        # Under V2 a request resumed after a preemption (or a streamed prompt's next part) comes back as new, with
+        # the id it had: its collector, steering and block are not admitted twice.
+        live = self.__dict__.setdefault("vlenvoys_live", set())
+        new = scheduler_output.scheduled_new_reqs
+        resumed = [data for data in new if data.req_id in live]
+        self.vlenvoys_resumed = frozenset(data.req_id for data in resumed)
+        live.update(data.req_id for data in new)
         super().add_requests(scheduler_output, *args, **kwargs)
         if resumed:
             end_resumed_blocks(self.nnsight_requests, resumed)
-        self.nnsight_requests.add(scheduler_output.scheduled_new_reqs, self.nnsight_persistent_objects)
+        self.nnsight_requests.add(new, self.nnsight_persistent_objects)
 
 
 class V2Steps:
@@ -148,9 +157,27 @@ class V2Steps:
                     f"{batch.num_tokens_after_padding} tokens, and its blocks' rows would be misread; run the engine "
                     "eagerly (enforce_eager=True)"
                 )
-        self.vlenvoys_spans = spans_of_rows(self, scheduler_output, req_ids, tokens, computed)
-        plan_step(self, scheduler_output, self.vlenvoys_spans)
+        self.vlenvoys_batch = dict(zip(req_ids, (int(at) for at in computed), strict=True))
+        step = scheduler_output
+        resumed = getattr(self, "vlenvoys_resumed", frozenset())
+        if resumed:  # known to the collectors and the steerer already (`add_requests`)
+            step = types.SimpleNamespace(
+                finished_req_ids=scheduler_output.finished_req_ids,
+                scheduled_new_reqs=[data for data in scheduler_output.scheduled_new_reqs if data.req_id not in resumed],
+            )
+        self.vlenvoys_spans = spans_of_rows(self, step, req_ids, tokens, computed)
+        plan_step(self, step, self.vlenvoys_spans)
         return batch
+
+    def vlenvoys_request_state(self, request: str) -> Any:
+        """``request``'s prompt length and its tokens computed before this step (`vlenvoys.worker.steerer.request_state`)."""
+        states = self.req_states
+        index = states.req_id_to_index[request]
+        computed = self.vlenvoys_batch.get(request)
+        return types.SimpleNamespace(
+            num_prompt_tokens=int(states.prompt_len.np[index]),
+            num_computed_tokens=int(states.num_computed_tokens_np[index]) if computed is None else computed,
+        )
 
 
 class CPUV2Runner(V2Steps, StandardRunner, NNsightV2Runner, VLLMCPUModelRunnerV2):
