@@ -60,7 +60,7 @@ def v2_run(tmp_path_factory) -> dict:
     })
     environment.pop("VLLM_USE_V2_MODEL_RUNNER", None)  # vlenvoys.load chooses it
     report = folder / "report.xml"
-    ids = [f"{file}::{test}[{MODEL}]" for file, test in CHOSEN]
+    ids = [f"{HERE.name}/{file}::{test}[{MODEL}]" for file, test in CHOSEN]
     ran = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", *ids],
         cwd=HERE.parent, env=environment, capture_output=True, text=True, timeout=1200,
