@@ -18,8 +18,8 @@ from ..wire.shm import sweep
 from .handover import SAVES_MAPS
 
 __all__ = [
-    "RUNNER_CHOICE", "interrupts_held", "interrupts_held_while_starting", "interrupts_stay_with_the_caller", "runner_choice",
-    "shutdown", "spawn_on_a_gpu", "worker_class",
+    "RUNNER_CHOICE", "interrupts_held", "interrupts_held_while_starting", "interrupts_stay_with_the_caller",
+    "runner_choice", "shutdown", "spawn_on_a_gpu", "worker_class",
 ]
 
 #: The environment variable that opts in to vLLM's V2 model runner (``v2``; #50). Unset (or ``v1``), vlenvoys

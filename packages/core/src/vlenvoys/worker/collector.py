@@ -335,7 +335,9 @@ def spans_of_rows(
             name = extra.get(COLLECT_KEY)
             if name in collectors:
                 # The last token sampled is never fed back: max_tokens - 1 decode steps at most.
-                generated = max(0, (data.sampling_params.max_tokens or 1) - 1) if extra.get(COLLECT_GENERATED_KEY) else 0
+                generated = 0
+                if extra.get(COLLECT_GENERATED_KEY):
+                    generated = max(0, (data.sampling_params.max_tokens or 1) - 1)
                 collectors[name].admit(data.req_id, len(data.prompt_token_ids), extra.get(COLLECT_ID_KEY), generated)
     spans, start = [], 0
     for request, count in zip(requests, tokens, strict=True):

@@ -170,7 +170,8 @@ class V2Steps:
         return batch
 
     def vlenvoys_request_state(self, request: str) -> Any:
-        """``request``'s prompt length and its tokens computed before this step (`vlenvoys.worker.steerer.request_state`)."""
+        """``request``'s prompt length and its tokens computed before this step
+        (`vlenvoys.worker.steerer.request_state`)."""
         states = self.req_states
         index = states.req_id_to_index[request]
         computed = self.vlenvoys_batch.get(request)
