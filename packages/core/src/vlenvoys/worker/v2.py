@@ -144,9 +144,12 @@ class V2Steps:
         requests = self.nnsight_requests
         if requests.requests or requests.templates:
             spans = list(zip(req_ids, tokens, strict=True))
+            # The user's prompt, as V1's state has it: a resumed request's prefill (its prompt and the tokens it
+            # generated, recomputed in chunks) is no prompt split by chunked prefill.
+            prompts = self.req_states.prompt_len.np[batch.idx_mapping_np[: len(req_ids)]]
             states = {
                 request: types.SimpleNamespace(num_computed_tokens=int(computed[row]),
-                                               num_prompt_tokens=int(batch.prefill_len_np[row]))
+                                               num_prompt_tokens=int(prompts[row]))
                 for row, request in enumerate(req_ids)
             }
             requests.refuse_chunked(spans, states)
