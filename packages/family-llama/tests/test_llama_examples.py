@@ -70,3 +70,16 @@ def test_train_sae(tmp_path):
     weights = load_file(str(tmp_path / "sae.safetensors"))
     assert weights["encoder.weight"].shape == (8 * 128, 128) and weights["decoder.weight"].shape == (128, 8 * 128)
     assert (tmp_path / "activations" / "manifest.json").is_file()
+
+
+def test_compare_with_transformers(tmp_path):
+    """The recipe a user runs to check vlenvoys on a checkpoint of their own: every block's four values against
+    transformers' modules, two prompts, within the oracle's bound (and not all equal, which would mean one side
+    was read twice)."""
+    results = run("compare_with_transformers.py", tmp_path, "--prompt", "The capital of France is", "--prompt",
+                  "One two three")
+    assert results["values"] == ["layer_input", "attention_output", "mlp_output", "layer_output"]
+    differences = results["relative_differences"]
+    assert len(differences) == 3 and all(len(block) == 4 for block in differences)  # the tiny Llama's 3 blocks
+    assert 0 < results["largest"] <= 1e-4, results
+    assert results["largest"] == max(max(block) for block in differences)
