@@ -434,7 +434,10 @@ class Soak:
         import httpx
         from openai import AsyncOpenAI
 
-        limits = httpx.Limits(max_connections=self.concurrency + 4)
+        # vLLM's server closes a connection idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), and httpx kept one for 5 s
+        # too: a request sent on it as the server closed it was lost ("Server disconnected without sending a
+        # response", once in CI while traces held the client's thread). Idle connections go well before that.
+        limits = httpx.Limits(max_connections=self.concurrency + 4, keepalive_expiry=1.0)
         client = AsyncOpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "EMPTY", max_retries=0,
                              timeout=self.timeout, http_client=httpx.AsyncClient(timeout=self.timeout, limits=limits))
         return client, httpx.AsyncClient(timeout=self.timeout, limits=limits)
