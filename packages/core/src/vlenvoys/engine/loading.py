@@ -15,6 +15,7 @@ from ..weights import smollm2_path
 from ..wire.requests import SITES_KEY
 from .logs import vllm_logging
 from .model import StandardizedVLLM
+from .processes import RUNNER_CHOICE, runner_choice
 from .sites import declared
 
 __all__ = [
@@ -172,12 +173,21 @@ def model_runner() -> None:
             "(vllm.v1.worker.gpu_model_runner), which vLLM 0.33 is the last to have: pip install 'vllm>=0.32,<0.34'"
         )
     chosen = os.environ.get(V2_RUNNER, "").strip()
-    if chosen in ("", "0"):  # vLLM reads int(value): an empty one would stop its engine
+    if runner_choice() == "v2":
+        # Opted in (`VLENVOYS_MODEL_RUNNER=v2`): vLLM's V2 runner, which `vlenvoys.worker.v2` instruments.
+        if chosen not in ("", "1"):
+            raise UnsupportedVLLM(
+                f"{RUNNER_CHOICE}=v2 runs vLLM's V2 model runner, but {V2_RUNNER}={chosen} asks for its V1 runner: "
+                f"unset one of them"
+            )
+        os.environ[V2_RUNNER] = "1"
+    elif chosen in ("", "0"):  # vLLM reads int(value): an empty one would stop its engine
         os.environ[V2_RUNNER] = "0"
     else:
         raise UnsupportedVLLM(
-            f"{V2_RUNNER}={chosen} asks vLLM for its V2 model runner, which vlenvoys' workers do not instrument: "
-            f"unset it ({V2_RUNNER}=0 is chosen for you) or set it to 0"
+            f"{V2_RUNNER}={chosen} asks vLLM for its V2 model runner, which vlenvoys' workers instrument only when "
+            f"{RUNNER_CHOICE}=v2 opts in: unset it ({V2_RUNNER}=0 is chosen for you), set it to 0, or set "
+            f"{RUNNER_CHOICE}=v2"
         )
 
 

@@ -33,6 +33,7 @@ from ..wire.steering import steering_vector as checked_vector
 from .processes import (
     interrupts_held_while_starting,
     interrupts_stay_with_the_caller,
+    runner_choice,
     shutdown,
     spawn_on_a_gpu,
     worker_class,
@@ -98,6 +99,13 @@ class StandardizedVLLM(VLLM):
         # (`vlenvoys.values.routing`), at the same paths as on the client's weightless tree.
         routing.install(module)
         return super()._wrap(module, *args, **kwargs)
+
+    @staticmethod
+    def _require_v1_model_runner() -> None:
+        # nnsight asks vLLM for its V1 runner, refusing VLLM_USE_V2_MODEL_RUNNER=1; opted in to V2
+        # (`VLENVOYS_MODEL_RUNNER=v2`), `vlenvoys.engine.loading.model_runner` has chosen V2 and our worker serves it.
+        if runner_choice() != "v2":
+            VLLM._require_v1_model_runner()
 
     def _load(self, repo_id: str, **kwargs: Any) -> Any:
         # nnsight's own worker refuses vLLM's CPU runner; pick ours by platform.

@@ -18,17 +18,39 @@ from ..wire.shm import sweep
 from .handover import SAVES_MAPS
 
 __all__ = [
-    "interrupts_held", "interrupts_held_while_starting", "interrupts_stay_with_the_caller", "shutdown", "spawn_on_a_gpu",
-    "worker_class",
+    "RUNNER_CHOICE", "interrupts_held", "interrupts_held_while_starting", "interrupts_stay_with_the_caller",
+    "runner_choice", "shutdown", "spawn_on_a_gpu", "worker_class",
 ]
+
+#: The environment variable that opts in to vLLM's V2 model runner (``v2``; #50). Unset (or ``v1``), vlenvoys
+#: runs vLLM's V1 runner, the default on vLLM 0.32 and 0.33.
+RUNNER_CHOICE = "VLENVOYS_MODEL_RUNNER"
+
+
+def runner_choice() -> str:
+    """The model runner this process's engines run: ``"v1"`` unless ``VLENVOYS_MODEL_RUNNER=v2`` opts in to V2
+    (served on vLLM's CPU engine so far).
+
+    Raises:
+        ValueError: ``VLENVOYS_MODEL_RUNNER`` is neither ``v1`` nor ``v2``.
+    """
+    chosen = os.environ.get(RUNNER_CHOICE, "").strip().lower() or "v1"
+    if chosen not in ("v1", "v2"):
+        raise ValueError(f"{RUNNER_CHOICE}={chosen!r}: set it to v2 (vLLM's V2 model runner) or v1, or unset it")
+    return chosen
 
 
 def worker_class() -> str:
     """The vLLM worker class for the platform vLLM reports: nnsight's runner on CPU or GPU."""
     from vllm.platforms import current_platform
 
+    v2 = runner_choice() == "v2"
     if current_platform.is_cpu():
-        return "vlenvoys.worker.cpu.CPUWorker"
+        return "vlenvoys.worker.v2.CPUWorker" if v2 else "vlenvoys.worker.cpu.CPUWorker"
+    if v2:
+        raise NotImplementedError(
+            f"{RUNNER_CHOICE}=v2 is served on vLLM's CPU engine so far; unset it on {current_platform.device_name!r}"
+        )
     if current_platform.is_cuda_alike():
         return "vlenvoys.worker.gpu.GPUWorker"
     raise NotImplementedError(

@@ -6,7 +6,8 @@
 - `steerer`, `kernels`: each steered request's vector added by one hook per block per step (`vlenvoys.generate`);
 - `arena`: the shared-memory writer rows and saves are handed over in;
 - `saves`: a trace's saves sent back through it;
-- `tracing`: nnsight's runner adjusted for traced requests beside the batched paths.
+- `tracing`: nnsight's runner adjusted for traced requests beside the batched paths;
+- `v2`: the CPU worker over vLLM's V2 model runner (opt in: ``VLENVOYS_MODEL_RUNNER=v2``), the same parts at V2's seams.
 
 The client's code never imports these modules (an import-linter contract says so): what the two sides
 share is in `vlenvoys.wire`.

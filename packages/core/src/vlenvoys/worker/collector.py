@@ -315,6 +315,19 @@ def step_spans(runner: Any, scheduler_output: Any) -> list[tuple[str, int, int]]
     Rows follow the runner's batch order (``input_batch.req_ids``), as
     nnsight's batcher has them; `vlenvoys.worker.steerer` plans its rows from the same spans.
     """
+    tokens = scheduler_output.num_scheduled_tokens
+    batch = runner.input_batch
+    rows = [(index, request) for index, request in enumerate(batch.req_ids) if request in tokens]
+    computed = batch.num_computed_tokens_cpu
+    return spans_of_rows(runner, scheduler_output, [request for _, request in rows],
+                         [tokens[request] for _, request in rows], [computed[index] for index, _ in rows])
+
+
+def spans_of_rows(
+    runner: Any, scheduler_output: Any, requests: Sequence[str], tokens: Sequence[int], computed: Sequence[int]
+) -> list[tuple[str, int, int]]:
+    """`step_spans` from the step's rows as the runner orders them: each scheduled request, its token count and
+    its tokens computed before this step (V1's condensed batch, or the V2 runner's own `InputBatch`)."""
     collectors = getattr(runner, "vlenvoys_collectors", None)
     if collectors:
         for data in scheduler_output.scheduled_new_reqs:
@@ -322,20 +335,17 @@ def step_spans(runner: Any, scheduler_output: Any) -> list[tuple[str, int, int]]
             name = extra.get(COLLECT_KEY)
             if name in collectors:
                 # The last token sampled is never fed back: max_tokens - 1 decode steps at most.
-                generated = max(0, (data.sampling_params.max_tokens or 1) - 1) if extra.get(COLLECT_GENERATED_KEY) else 0
+                generated = 0
+                if extra.get(COLLECT_GENERATED_KEY):
+                    generated = max(0, (data.sampling_params.max_tokens or 1) - 1)
                 collectors[name].admit(data.req_id, len(data.prompt_token_ids), extra.get(COLLECT_ID_KEY), generated)
-    tokens = scheduler_output.num_scheduled_tokens
     spans, start = [], 0
-    for request in runner.input_batch.req_ids:
-        if request in tokens:
-            spans.append((request, start, tokens[request]))
-            start += tokens[request]
+    for request, count in zip(requests, tokens, strict=True):
+        spans.append((request, start, int(count)))
+        start += int(count)
     if collectors:
         # Where each request's rows of this step start in its sequence (the runner's own positions).
-        computed = runner.input_batch.num_computed_tokens_cpu
-        runner.vlenvoys_positions = {
-            request: int(computed[index]) for index, request in enumerate(runner.input_batch.req_ids) if request in tokens
-        }
+        runner.vlenvoys_positions = {request: int(at) for request, at in zip(requests, computed, strict=True)}
     return spans
 
 

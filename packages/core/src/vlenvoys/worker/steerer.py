@@ -26,7 +26,7 @@ from ..wire.requests import STEER_KEY
 from ..wire.steering import read
 from . import kernels
 
-__all__ = ["REFUSED", "SETTLE_EVERY", "Steerer", "failures", "plan_step"]
+__all__ = ["REFUSED", "SETTLE_EVERY", "Steerer", "failures", "plan_step", "request_state"]
 
 
 # -- worker side -------------------------------------------------------------------------
@@ -130,7 +130,7 @@ class Steerer:
     def _positions(self, request: str, positions: Any) -> Any:
         """An entry's positions as the plan reads them: None, a set, or ``{"start", "stop"}`` resolved by the prompt."""
         if positions in ("prompt", "generated"):
-            length = int(self.runner.requests[request].num_prompt_tokens)
+            length = int(request_state(self.runner, request).num_prompt_tokens)
             positions = {"start": 0, "stop": length} if positions == "prompt" else {"start": length, "stop": None}
         elif positions == "all":
             positions = None
@@ -223,7 +223,7 @@ class Steerer:
                         whole.append([])
                     whole[place].append((start, count, slot))
                     continue
-                first = self.runner.requests[request].num_computed_tokens
+                first = request_state(self.runner, request).num_computed_tokens
                 rows = [start + offset for offset in range(count) if _steered(first + offset, positions)]
                 plan[rows] += self.mask[slot] * slot
         for entries in whole:
@@ -305,6 +305,13 @@ def _steered(position: int, positions: Any) -> bool:
     if isinstance(positions, dict):  # a slice
         return position >= positions["start"] and (positions["stop"] is None or position < positions["stop"])
     return position in positions
+
+
+def request_state(runner: Any, request: str) -> Any:
+    """``request``'s prompt length and tokens computed before this step (``num_prompt_tokens``,
+    ``num_computed_tokens``): V1's per-request state, or what the V2 runner tells (``vlenvoys_request_state``)."""
+    state = getattr(runner, "vlenvoys_request_state", None)
+    return runner.requests[request] if state is None else state(request)
 
 
 def plan_step(runner: Any, scheduler_output: Any, spans: Sequence[tuple[str, int, int]]) -> None:

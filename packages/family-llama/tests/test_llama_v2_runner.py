@@ -1,0 +1,175 @@
+"""vLLM's V2 model runner, opted in with ``VLENVOYS_MODEL_RUNNER=v2`` (#50): the same values as on V1, transformers'.
+
+vLLM refuses its V2 runner where Triton has no backend for the device, and
+decides so when it is imported: this pytest process has imported it already
+(on the CPU engine, PyPI's Triton has no CPU backend). So the chosen tests run
+in a pytest process of their own (`v2_run`, once per session), with Triton's
+interpreter as the CPU backend (`vlenvoys_testing.triton_interpreter`) and
+``VLENVOYS_MODEL_RUNNER=v2``, over one engine: the conftest's tiny Llama. They
+are the oracle suite's, collect's and steering's own tests, and this module's
+``under_v2`` ones, which run only there; each test ``test_passes_under_v2[...]``
+here reads one of that run's results.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+import torch
+from vlenvoys_testing import conformance, oracle, triton_interpreter
+from vlenvoys_testing.conformance import compare, host, read_all
+
+#: Set in the pytest process `v2_run` starts.
+UNDER_V2 = os.environ.get("VLENVOYS_MODEL_RUNNER") == "v2"
+under_v2 = pytest.mark.skipif(not UNDER_V2, reason="runs in the V2 runner's own pytest process (test_passes_under_v2)")
+on_tiny_llama = pytest.mark.parametrize("subject", ["LlamaForCausalLM"], indirect=True)
+
+MODEL = "LlamaForCausalLM"
+#: (test file, test) run under the V2 runner on the tiny Llama (a test's own parameters after the model's: ``[-1]``).
+CHOSEN = [
+    ("test_llama_v2_runner.py", "test_the_engine_runs_the_v2_runner"),
+    ("test_llama_oracle.py", "test_each_prompt_alone"),
+    ("test_llama_oracle.py", "test_two_prompts_in_one_trace"),
+    ("test_llama_oracle.py", "test_decode_steps_have_one_row"),
+    ("test_llama_v2_runner.py", "test_rows_follow_the_v2_batch_order"),
+    ("test_llama_v2_runner.py", "test_decode_steps_equal_transformers"),
+    ("test_llama_oracle.py", "test_add_to_layer_mid_in_place"),
+    ("test_llama_oracle.py", "test_unedited_reads_leave_logits_bit_identical"),
+    ("test_llama_collect.py", "test_values_equal_transformers_and_the_trace"),
+    ("test_llama_collect.py", "test_someone_elses_request_carries_no_saves_and_is_unchanged"),
+    ("test_llama_oracle.py", "test_collect_equals_a_trace"),
+    ("test_llama_api.py", "test_steer_equals_the_same_edit_by_hand"),
+    ("test_llama_api.py", "test_steer_and_steering_take_the_same_vectors"),
+    ("test_llama_oracle.py", "test_steered_generation_equals_steering_in_a_trace"),
+    # A block's error ends its own request (its end-of-sequence forced on V2's sampled row), the engine goes on.
+    ("test_llama_oracle.py", "test_wrong_token_count_is_refused_and_engine_goes_on[-1]"),
+    ("test_llama_oracle.py", "test_non_finite_write_is_refused_and_later_requests_stay_clean"),
+    ("test_llama_api.py", "test_generate_as_a_block_is_a_trace_and_called_plainly_runs_the_engine"),
+]
+HERE = Path(__file__).parent
+
+
+def case_id(test: str) -> str:
+    """A chosen test's id on the tiny Llama: ``test[LlamaForCausalLM]``, or with its own parameters after it."""
+    name, _, own = test.partition("[")
+    return f"{name}[{MODEL}{'-' + own.rstrip(']') if own else ''}]"
+
+
+@pytest.fixture(scope="session")
+def v2_run(tmp_path_factory) -> dict:
+    """The chosen tests run once in a pytest process over the V2 runner: {test id: (outcome, message)}."""
+    folder = tmp_path_factory.mktemp("v2-runner")
+    environment = triton_interpreter.environment(folder / "triton", {
+        **os.environ, "VLENVOYS_MODEL_RUNNER": "v2", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+    })
+    environment.pop("VLLM_USE_V2_MODEL_RUNNER", None)  # vlenvoys.load chooses it
+    report = folder / "report.xml"
+    ids = [f"{HERE.name}/{file}::{case_id(test)}" for file, test in CHOSEN]
+    ran = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", *ids],
+        cwd=HERE.parent, env=environment, capture_output=True, text=True, timeout=1200,
+    )
+    output = ran.stdout + ran.stderr
+    if not report.exists():
+        pytest.fail(f"the V2 runner's pytest process wrote no report (exit {ran.returncode}):\n{output[-6000:]}")
+    results = {}
+    for case in ET.parse(report).getroot().iter("testcase"):
+        name = case.get("name")
+        failed = case.find("failure") if case.find("failure") is not None else case.find("error")
+        skipped = case.find("skipped")
+        if failed is not None:
+            results[name] = ("failed", (failed.get("message") or "") + "\n" + (failed.text or "")[-4000:])
+        elif skipped is not None:
+            results[name] = ("skipped", skipped.get("message") or "")
+        else:
+            results[name] = ("passed", "")
+    # The run's largest differences to transformers, in this session's summary too.
+    for line in output.splitlines():
+        found = re.match(rf"^{MODEL}\s+(\S.*?)\s+([0-9.e+-]+)$", line.strip())
+        if found and "largest relative" not in line:
+            conformance.record(f"{MODEL} (V2 runner)", found.group(1), float(found.group(2)))
+    results["output"] = output
+    return results
+
+
+@pytest.mark.parametrize(("file", "test"), CHOSEN, ids=[test for _, test in CHOSEN])
+def test_passes_under_v2(v2_run, file, test):
+    outcome, message = v2_run.get(case_id(test), ("missing", v2_run["output"][-4000:]))
+    assert outcome == "passed", f"{file}::{test} under the V2 runner: {outcome}\n{message}"
+
+
+def test_v1_stays_the_default(monkeypatch):
+    """Without the opt-in nothing changes: V1 is asked of vLLM and vlenvoys' V1 worker runs it; with it, V2 and
+    the V2 worker; a contradiction or an unknown choice is refused by name."""
+    from vlenvoys.engine.loading import V2_RUNNER, model_runner
+    from vlenvoys.engine.processes import RUNNER_CHOICE, worker_class
+    from vlenvoys.errors import UnsupportedVLLM
+
+    monkeypatch.delenv(RUNNER_CHOICE, raising=False)
+    monkeypatch.delenv(V2_RUNNER, raising=False)
+    model_runner()
+    assert os.environ[V2_RUNNER] == "0" and worker_class() == "vlenvoys.worker.cpu.CPUWorker"
+    monkeypatch.setenv(RUNNER_CHOICE, "v2")
+    monkeypatch.delenv(V2_RUNNER)
+    model_runner()
+    assert os.environ[V2_RUNNER] == "1" and worker_class() == "vlenvoys.worker.v2.CPUWorker"
+    monkeypatch.setenv(V2_RUNNER, "0")
+    with pytest.raises(UnsupportedVLLM, match="VLLM_USE_V2_MODEL_RUNNER=0"):
+        model_runner()
+    monkeypatch.setenv(RUNNER_CHOICE, "v3")
+    with pytest.raises(ValueError, match="VLENVOYS_MODEL_RUNNER='v3'"):
+        worker_class()
+
+
+# -- run in the V2 runner's own pytest process ------------------------------------------------------------
+
+
+@under_v2
+@on_tiny_llama
+def test_the_engine_runs_the_v2_runner(subject):
+    """The engine asked vLLM for its V2 runner and runs vlenvoys' V2 worker (whose start refuses any other runner)."""
+    config = subject.model.vllm_entrypoint.llm_engine.vllm_config
+    assert config.use_v2_model_runner
+    assert config.parallel_config.worker_cls == "vlenvoys.worker.v2.CPUWorker"
+    assert subject.model.vllm_entrypoint.llm_engine.collective_rpc("nnsight_request_count") == [0]
+
+
+@under_v2
+@on_tiny_llama
+def test_rows_follow_the_v2_batch_order(subject):
+    """V2 orders a step's rows by scheduled tokens, not by arrival: invokes longest first each read their own."""
+    order = sorted(range(len(subject.prompts)), key=lambda index: -len(subject.prompts[index]))
+    assert [len(subject.prompts[index]) for index in order] != sorted(len(prompt) for prompt in subject.prompts)
+    saved = read_all(subject.model, [subject.prompts[index] for index in order])
+    for number, index in enumerate(order):
+        compare(subject, saved[number], index)
+
+
+@under_v2
+@on_tiny_llama
+def test_decode_steps_equal_transformers(subject):
+    """Two invokes generating three tokens greedily: each step's rows (a prefill, then decodes beside the other
+    request's) are transformers' at those positions of the prompt and the tokens generated."""
+    model, steps = subject.model, 3
+    prompts = [subject.prompts[2], subject.prompts[0]]
+    with model.trace(temperature=0.0, max_tokens=steps) as tracer:
+        results = list().save()
+        for prompt in prompts:
+            with tracer.invoke(prompt):
+                rows = list().save()
+                for _ in tracer.iter[0:steps]:
+                    rows.append((model.layers[1].layer_output.save(), model.samples.save()))
+                results.append(rows)
+    for prompt, rows in zip(prompts, results, strict=True):
+        generated = [int(sample.reshape(-1)[0]) for _, sample in rows]
+        stream = torch.cat([host(read) for read, _ in rows], dim=1)  # [1, prompt + steps - 1, hidden]
+        assert stream.shape[1] == len(prompt) + steps - 1
+        expected = oracle.reference(subject.reference, prompt + generated[:-1], subject.layout)
+        assert conformance.close(subject, "layer_output (decode steps)", stream, expected["values"]["layer_output"][1])
+        assert torch.argmax(expected["logits"]).item() == generated[-1]
