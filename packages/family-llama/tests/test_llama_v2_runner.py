@@ -3,8 +3,9 @@
 vLLM refuses its V2 runner where Triton has no backend for the device, and
 decides so when it is imported: this pytest process has imported it already
 (on the CPU engine, PyPI's Triton has no CPU backend). So the chosen tests run
-in a pytest process of their own (`v2_run`, once per session), with Triton's
-interpreter as the CPU backend (`vlenvoys_testing.triton_interpreter`) and
+in a pytest process of their own (`v2_run`, once per session), on the CPU
+engine with Triton's interpreter as its backend
+(`vlenvoys_testing.triton_interpreter`), on a GPU with Triton's own, and
 ``VLENVOYS_MODEL_RUNNER=v2``, over one engine: the conftest's tiny Llama. They
 are the oracle suite's, collect's and steering's own tests, and this module's
 ``under_v2`` ones, which run only there; each test ``test_passes_under_v2[...]``
@@ -65,9 +66,9 @@ def case_id(test: str) -> str:
 def v2_run(tmp_path_factory) -> dict:
     """The chosen tests run once in a pytest process over the V2 runner: {test id: (outcome, message)}."""
     folder = tmp_path_factory.mktemp("v2-runner")
-    environment = triton_interpreter.environment(folder / "triton", {
-        **os.environ, "VLENVOYS_MODEL_RUNNER": "v2", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-    })
+    environment = {**os.environ, "VLENVOYS_MODEL_RUNNER": "v2", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if not torch.cuda.is_available():  # on a GPU, Triton's own CUDA backend
+        environment = triton_interpreter.environment(folder / "triton", environment)
     environment.pop("VLLM_USE_V2_MODEL_RUNNER", None)  # vlenvoys.load chooses it
     report = folder / "report.xml"
     ids = [f"{HERE.name}/{file}::{case_id(test)}" for file, test in CHOSEN]
@@ -111,14 +112,15 @@ def test_v1_stays_the_default(monkeypatch):
     from vlenvoys.engine.processes import RUNNER_CHOICE, worker_class
     from vlenvoys.errors import UnsupportedVLLM
 
+    engine = "gpu.GPUWorker" if torch.cuda.is_available() else "cpu.CPUWorker"
     monkeypatch.delenv(RUNNER_CHOICE, raising=False)
     monkeypatch.delenv(V2_RUNNER, raising=False)
     model_runner()
-    assert os.environ[V2_RUNNER] == "0" and worker_class() == "vlenvoys.worker.cpu.CPUWorker"
+    assert os.environ[V2_RUNNER] == "0" and worker_class() == f"vlenvoys.worker.{engine}"
     monkeypatch.setenv(RUNNER_CHOICE, "v2")
     monkeypatch.delenv(V2_RUNNER)
     model_runner()
-    assert os.environ[V2_RUNNER] == "1" and worker_class() == "vlenvoys.worker.v2.CPUWorker"
+    assert os.environ[V2_RUNNER] == "1" and worker_class() == f"vlenvoys.worker.v2.{engine}"
     monkeypatch.setenv(V2_RUNNER, "0")
     with pytest.raises(UnsupportedVLLM, match="VLLM_USE_V2_MODEL_RUNNER=0"):
         model_runner()
@@ -136,7 +138,8 @@ def test_the_engine_runs_the_v2_runner(subject):
     """The engine asked vLLM for its V2 runner and runs vlenvoys' V2 worker (whose start refuses any other runner)."""
     config = subject.model.vllm_entrypoint.llm_engine.vllm_config
     assert config.use_v2_model_runner
-    assert config.parallel_config.worker_cls == "vlenvoys.worker.v2.CPUWorker"
+    engine = "gpu.GPUWorker" if subject.device_type == "cuda" else "cpu.CPUWorker"
+    assert config.parallel_config.worker_cls == f"vlenvoys.worker.v2.{engine}"
     assert subject.model.vllm_entrypoint.llm_engine.collective_rpc("nnsight_request_count") == [0]
 
 

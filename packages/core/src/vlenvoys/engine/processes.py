@@ -29,7 +29,7 @@ RUNNER_CHOICE = "VLENVOYS_MODEL_RUNNER"
 
 def runner_choice() -> str:
     """The model runner this process's engines run: ``"v1"`` unless ``VLENVOYS_MODEL_RUNNER=v2`` opts in to V2
-    (served on vLLM's CPU engine so far).
+    (vLLM's CPU and CUDA engines).
 
     Raises:
         ValueError: ``VLENVOYS_MODEL_RUNNER`` is neither ``v1`` nor ``v2``.
@@ -46,10 +46,12 @@ def worker_class() -> str:
 
     v2 = runner_choice() == "v2"
     if current_platform.is_cpu():
-        return "vlenvoys.worker.v2.CPUWorker" if v2 else "vlenvoys.worker.cpu.CPUWorker"
+        return "vlenvoys.worker.v2.cpu.CPUWorker" if v2 else "vlenvoys.worker.cpu.CPUWorker"
+    if current_platform.is_cuda():
+        return "vlenvoys.worker.v2.gpu.GPUWorker" if v2 else "vlenvoys.worker.gpu.GPUWorker"
     if v2:
         raise NotImplementedError(
-            f"{RUNNER_CHOICE}=v2 is served on vLLM's CPU engine so far; unset it on {current_platform.device_name!r}"
+            f"{RUNNER_CHOICE}=v2 is served on vLLM's CPU and CUDA engines; unset it on {current_platform.device_name!r}"
         )
     if current_platform.is_cuda_alike():
         return "vlenvoys.worker.gpu.GPUWorker"

@@ -16,6 +16,9 @@ without an error. Its own seams, each overridden here forwarding ``*args,
 - ``sample_tokens`` / ``sample``: the logits (one row per request, handed to the
   sampler, whose class is swapped for one that serves them) and the sampled ids.
 
+The mixins here are the same on both engines: `vlenvoys.worker.v2.cpu` puts them over vLLM's V2 CPU runner,
+`vlenvoys.worker.v2.gpu` over the CUDA one (its superclass, with the same seams).
+
 nnsight's plain-Python parts are reused as they are: its ``Requests`` and the runner's methods that never call
 ``super()`` (collect, finish erred requests, register). Its module imports vLLM's V1 runner, which vLLM 0.34
 removed; on 0.32 and 0.33 it imports.
@@ -32,15 +35,12 @@ from nnsight.modeling.vllm.interleaver import VLLMInterleaver
 from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRunner, Requests
 from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
 from nnsight.tracing.tracer import _local, _saves, inc
-from vllm.v1.worker.cpu.model_runner import CPUModelRunner as VLLMCPUModelRunnerV2
-from vllm.v1.worker.cpu_worker import CPUWorker as VLLMCPUWorker
 
-from ..errors import Preempted
-from .collector import spans_of_rows
-from .runner import StandardRunner, StandardWorker
-from .steerer import plan_step
+from ...errors import Preempted
+from ..collector import spans_of_rows
+from ..steerer import plan_step
 
-__all__ = ["CPUV2Runner", "CPUWorker", "NNsightV2Runner", "V2Steps"]
+__all__ = ["NNsightV2Runner", "V2Steps", "V2WorkerCalls", "end_resumed_blocks"]
 
 
 class NNsightV2Runner:
@@ -184,10 +184,6 @@ class V2Steps:
         )
 
 
-class CPUV2Runner(V2Steps, StandardRunner, NNsightV2Runner, VLLMCPUModelRunnerV2):
-    """vLLM's V2 CPU runner with nnsight's blocks and vlenvoys' envoys, collectors and steering."""
-
-
 def _serving(sampler_class: type) -> type:
     """A subclass of the runner's sampler class whose call hands the logits to the step's blocks first."""
 
@@ -245,22 +241,27 @@ def end_resumed_blocks(requests: Any, resumed: list) -> None:
             tracked.error = capture_exception(error)
 
 
-class CPUWorker(StandardWorker, VLLMCPUWorker):
-    """vLLM's CPU worker over its V2 runner, with nnsight's RPCs (collect, register) and the V2 runner above."""
+class V2WorkerCalls:
+    """nnsight's worker RPCs (collect, count, register), plain calls into the runner, for a worker over V2."""
 
-    # nnsight's worker RPCs: plain calls into the runner.
     collect_nnsight = NNsightGPUWorker.collect_nnsight
     nnsight_request_count = NNsightGPUWorker.nnsight_request_count
     nnsight_register = NNsightGPUWorker.nnsight_register
     nnsight_clear_registered = NNsightGPUWorker.nnsight_clear_registered
 
+    #: The vLLM runner class the worker instruments (set by each engine's worker).
+    vlenvoys_v2_runner: type
+    #: Its instrumented subclass.
+    vlenvoys_v2_instrumented: type
+
     def init_device(self) -> None:
         super().init_device()
         runner = self.model_runner
-        if type(runner) is not VLLMCPUModelRunnerV2:
+        expected = self.vlenvoys_v2_runner
+        if type(runner) is not expected:
             raise NotImplementedError(
-                f"VLENVOYS_MODEL_RUNNER=v2 instruments vLLM's V2 CPUModelRunner, but this worker built "
-                f"{type(runner).__module__}.{type(runner).__name__}; set VLLM_USE_V2_MODEL_RUNNER=1 (vlenvoys.load "
-                "does) or unset VLENVOYS_MODEL_RUNNER"
+                f"VLENVOYS_MODEL_RUNNER=v2 instruments vLLM's V2 {expected.__module__}.{expected.__name__}, but this "
+                f"worker built {type(runner).__module__}.{type(runner).__name__}; set VLLM_USE_V2_MODEL_RUNNER=1 "
+                "(vlenvoys.load does) or unset VLENVOYS_MODEL_RUNNER"
             )
-        runner.__class__ = CPUV2Runner
+        runner.__class__ = self.vlenvoys_v2_instrumented
