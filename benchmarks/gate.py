@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import os
@@ -55,7 +56,7 @@ import sys
 import tempfile
 import time
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,6 +107,22 @@ ROWS: dict[str, Row] = {
     "datasets_1e6": Row("datasets", "vl.dataset", "plain.windows", "collect_dataset of 1e6 tokens (one block's stream, windows of 128)"),
     "serve_steered": Row("serve", "serve.steered", "serve.plain", "vlenvoys serve --cuda-graphs, every request steered at 2 blocks"),
     "serve_capture": Row("serve", "serve.capture", "serve.plain", "vlenvoys serve --cuda-graphs, every request capturing 2 blocks' stream"),
+    # vLLM's V2 model runner (#50), its default on a GPU: the gate's other rows ask vLLM for V1, the runner vlenvoys
+    # instruments by default on 0.32 and 0.33 (plain vLLM's too, so that both sides run the same runner).
+    "v1_plain_vs_v2": Row("v2", "plain.prefill_v1", "plain2.prefill",
+                          "plain vLLM on its V1 runner, against itself on V2 (its default)", default=False),
+    "collect_vs_v2": Row("v2", "vl.collect_v1", "plain2.prefill",
+                         "vlenvoys.collect on the V1 runner, layer_output at 3 blocks, against plain vLLM on V2",
+                         default=False),
+    "v2_engine_plain": Row("v2", "vl2.plain", "plain2.prefill", "the vlenvoys engine on V2: its own plain prefill",
+                           default=False),
+    "v2_collect": Row("v2", "vl2.collect", "plain2.prefill", "V2: vlenvoys.collect, layer_output at 3 blocks", default=False),
+    "v2_trace3": Row("v2", "vl2.trace3", "plain2.prefill", "V2: a trace reading layer_output at 3 blocks, 64 invokes a trace",
+                     default=False),
+    "v1_plain_generate_vs_v2": Row("v2generate", "plain.generate_v1", "plain2.generate",
+                                   "plain vLLM generating on its V1 runner, against itself on V2", default=False),
+    "graph_steered_all_vs_v2": Row("v2generate", "vg.steered_all_v1", "plain2.generate",
+                                   "graph engine (V1): every request steered, against plain vLLM on V2", default=False),
     "8b_every_layer_reads": Row("8b", "vg8.every_layer", "plain8.generate",
                                 "8B shape, graph engine: a trace reading layer_output at every block at every step",
                                 default=False),
@@ -308,6 +325,26 @@ class Servers:
             process.stop()
 
 
+@contextlib.contextmanager
+def runner_chosen(runner: str, ours: bool = False) -> Iterator[None]:
+    """Start engines, within, on vLLM's ``runner`` ("v2"): plain vLLM as its default chooses (the variable
+    unset), vlenvoys' engine (``ours``) as ``VLENVOYS_MODEL_RUNNER`` chooses. Their processes keep the
+    environment they started with; this process's is restored after."""
+    names = ("VLLM_USE_V2_MODEL_RUNNER", "VLENVOYS_MODEL_RUNNER")
+    saved = {name: os.environ.get(name) for name in names}
+    os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+    if ours:
+        os.environ["VLENVOYS_MODEL_RUNNER"] = runner
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def measure(args: argparse.Namespace) -> dict:
     """Start the engines, run the rounds, and return the gate's result (unjudged rows)."""
     import torch
@@ -368,6 +405,7 @@ def measure(args: argparse.Namespace) -> dict:
                       else {"kv_cache_memory_bytes": vlenvoys.engine.CPU_KV_CACHE_BYTES})
     scratch = Path(tempfile.mkdtemp(prefix="vlenvoys-gate-"))
     engines: dict[str, object] = {}
+    runners: dict[str, str] = {}  # the V2 rows' engines: which runner each ran
     servers = None
     try:
         if "serve" in groups:
@@ -375,7 +413,12 @@ def measure(args: argparse.Namespace) -> dict:
         if groups - {"8b"}:
             engines["plain"] = LLM(path, **sized)  # vLLM's defaults otherwise: torch.compile and CUDA graphs on a GPU
             engines["vl"] = vlenvoys.load(path, **sized)
-        if groups & {"prefill", "generate"} and any(name.startswith("graph_") for name in names):
+        if groups & {"v2", "v2generate"}:
+            with runner_chosen("v2"):
+                # vLLM's default runner on a GPU (V2), as a user who sets nothing gets it.
+                engines["plain2"] = LLM(path, **sized)
+                runners["plain2"] = "V2" if engines["plain2"].llm_engine.vllm_config.use_v2_model_runner else "V1"
+        if groups & {"prefill", "generate", "v2generate"} and any(name.startswith("graph_") for name in names):
             engines["vg"] = vlenvoys.load(path, cuda_graphs=True, sites={"layer_output": "all"}, **sized)
         if "8b" in groups:
             path_8b = str(shaped_checkpoint(shape_8b, "8b-smoke" if args.smoke else "8b"))
@@ -384,6 +427,14 @@ def measure(args: argparse.Namespace) -> dict:
             engines["plain8"] = LLM(path_8b, **sized_8b)
             if any(ROWS[name].ours.startswith("vg8.") for name in names):
                 engines["vg8"] = vlenvoys.load(path_8b, cuda_graphs=True, sites={"layer_output": "all"}, **sized_8b)
+        if "v2" in groups:  # after the others: a start that fails here leaves them up
+            try:
+                with runner_chosen("v2", ours=True):
+                    engines["vl2"] = vlenvoys.load(path, **sized)
+                runners["vl2"] = "V2"
+            except Exception as error:  # noqa: BLE001 - said, and its rows left out
+                print(f"the vlenvoys engine on V2 did not start: {type(error).__name__}: {error}", flush=True)
+                runners["vl2"] = f"failed to start: {type(error).__name__}: {error}"
         # Last: nnsight's taps= turn vLLM's breakable graphs on through this process's environment (restored after each),
         # with PIECEWISE graphs only, so that a decode step passes the taps too (a FULL graph's replay runs none).
         taps = []
@@ -465,6 +516,7 @@ def measure(args: argparse.Namespace) -> dict:
 
             return lambda: asyncio.run(completions(urls[server], "bench", serve_texts, work.serve_tokens, every, kind))
 
+        plain2, vl2 = engines.get("plain2"), engines.get("vl2")
         # Each measurement: (group, name, amount, unit, run). A group's baseline comes first in each round.
         runs = [
             ("prefill", "plain.prefill", work.prefill, "prompts/s", lambda: requests(plain, prefill, 1, False)),
@@ -482,6 +534,21 @@ def measure(args: argparse.Namespace) -> dict:
             *[("generate", f"vg.steered_{key}", work.generate * work.tokens, "tokens/s",
                lambda each=each: vlenvoys.generate(vg, generate, every_step, steering=each, progress=False))
               for key, each in (("all", steering), ("half", half), ("none", None))],
+            ("v2", "plain2.prefill", work.prefill, "prompts/s", lambda: requests(plain2, prefill, 1, False)),
+            ("v2", "plain.prefill_v1", work.prefill, "prompts/s", lambda: requests(plain, prefill, 1, False)),
+            ("v2", "vl.collect_v1", work.prefill, "prompts/s", lambda: collect(vl, prefill, "layer_output", layers)),
+            *([] if vl2 is None else [
+                ("v2", "vl2.plain", work.prefill, "prompts/s", lambda: requests(vl2.vllm_entrypoint, prefill, 1, False)),
+                ("v2", "vl2.collect", work.prefill, "prompts/s", lambda: collect(vl2, prefill, "layer_output", layers)),
+                ("v2", "vl2.trace3", work.prefill, "prompts/s",
+                 lambda: traced(vl2, prefill, standard_reads, batch=work.per_trace)),
+            ]),
+            ("v2generate", "plain2.generate", work.generate * work.tokens, "tokens/s",
+             lambda: requests(plain2, generate, work.tokens, False)),
+            ("v2generate", "plain.generate_v1", work.generate * work.tokens, "tokens/s",
+             lambda: requests(plain, generate, work.tokens, False)),
+            ("v2generate", "vg.steered_all_v1", work.generate * work.tokens, "tokens/s",
+             lambda: vlenvoys.generate(vg, generate, every_step, steering=steering, progress=False)),
             ("datasets", "plain.windows", len(cut) * work.context_length, "tokens/s",
              lambda: plain_prefill(plain, cut, in_flight, detokenize=False)),
             ("datasets", "vl.dataset", len(cut) * work.context_length, "tokens/s", dataset),
@@ -558,6 +625,7 @@ def measure(args: argparse.Namespace) -> dict:
         "seconds": round(time.perf_counter() - began, 1),
         "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "rows": rows,
+        **({"v2_runners": runners} if runners else {}),
         "worker": worker,
         # Every counted run's seconds, in each round's order (a baseline's several a round): for reading a row's noise.
         "run_seconds": {key: [round(each, 4) for each in values] for key, values in seconds.items()},

@@ -15,7 +15,7 @@ from ..weights import smollm2_path
 from ..wire.requests import SITES_KEY
 from .logs import vllm_logging
 from .model import StandardizedVLLM
-from .processes import RUNNER_CHOICE, runner_choice
+from .processes import RUNNER_CHOICE, has_v1_runner, runner_choice
 from .sites import declared
 
 __all__ = [
@@ -150,44 +150,42 @@ def block_count(model: str, overrides: Any = None) -> int:
 
 
 def model_runner() -> None:
-    """Choose vLLM's V1 model runner for the engines this process starts, the runner vlenvoys' workers instrument.
+    """Ask vLLM, for the engines this process starts, for the model runner vlenvoys' worker instruments there.
 
-    vLLM runs its V2 runner by default wherever Triton is (on every GPU since
-    0.27, where nothing it lacks is asked for), and reads the choice from
-    ``VLLM_USE_V2_MODEL_RUNNER`` in each of its processes: unset (or empty), it
-    is set to 0 here, before the engine's processes start and inherit it, as
-    nnsight's ``VLLM`` does for `load`; ``vlenvoys serve`` starts vLLM's server
-    without nnsight's client, so this is where its choice is made.
+    vLLM reads its choice from ``VLLM_USE_V2_MODEL_RUNNER`` in each of its
+    processes, which inherit it from this one (``vlenvoys serve`` starts vLLM's
+    server without nnsight's client, so this is where its choice is made too).
+    vlenvoys' own choice (`vlenvoys.engine.processes.runner_choice`) is V1
+    where vLLM has it (0.32, 0.33) and V2 where it has no other (0.34), or
+    what ``VLENVOYS_MODEL_RUNNER`` says: ``VLLM_USE_V2_MODEL_RUNNER`` is set
+    to match, and a value that contradicts it is refused.
 
     Raises:
-        UnsupportedVLLM: ``VLLM_USE_V2_MODEL_RUNNER`` asks for the V2 runner,
-            or this vLLM has no V1 runner (0.34 and later).
+        UnsupportedVLLM: ``VLLM_USE_V2_MODEL_RUNNER`` contradicts the choice,
+            or V1 is chosen and this vLLM has no V1 runner.
     """
-    import importlib.util
-
-    if importlib.util.find_spec("vllm.v1.worker.gpu_model_runner") is None:
+    chosen = os.environ.get(V2_RUNNER, "").strip()
+    if runner_choice() == "v2":
+        if chosen not in ("", "1"):
+            raise UnsupportedVLLM(
+                f"{RUNNER_CHOICE}=v2 (or a vLLM with no V1 runner) runs vLLM's V2 model runner, but {V2_RUNNER}={chosen} "
+                f"asks for its V1 runner: unset {V2_RUNNER}"
+            )
+        os.environ[V2_RUNNER] = "1"
+        return
+    if not has_v1_runner():
         import vllm
 
         raise UnsupportedVLLM(
-            f"vLLM {vllm.__version__} has only its V2 model runner, and vlenvoys' workers instrument the V1 runner "
-            "(vllm.v1.worker.gpu_model_runner), which vLLM 0.33 is the last to have: pip install 'vllm>=0.32,<0.34'"
+            f"{RUNNER_CHOICE}=v1 asks for vLLM's V1 model runner, which vLLM {vllm.__version__} no longer has (0.33 is "
+            f"the last): unset {RUNNER_CHOICE} to run its V2 runner, or pip install 'vllm>=0.32,<0.34'"
         )
-    chosen = os.environ.get(V2_RUNNER, "").strip()
-    if runner_choice() == "v2":
-        # Opted in (`VLENVOYS_MODEL_RUNNER=v2`): vLLM's V2 runner, which `vlenvoys.worker.v2` instruments.
-        if chosen not in ("", "1"):
-            raise UnsupportedVLLM(
-                f"{RUNNER_CHOICE}=v2 runs vLLM's V2 model runner, but {V2_RUNNER}={chosen} asks for its V1 runner: "
-                f"unset one of them"
-            )
-        os.environ[V2_RUNNER] = "1"
-    elif chosen in ("", "0"):  # vLLM reads int(value): an empty one would stop its engine
+    if chosen in ("", "0"):  # vLLM reads int(value): an empty one would stop its engine
         os.environ[V2_RUNNER] = "0"
     else:
         raise UnsupportedVLLM(
-            f"{V2_RUNNER}={chosen} asks vLLM for its V2 model runner, which vlenvoys' workers instrument only when "
-            f"{RUNNER_CHOICE}=v2 opts in: unset it ({V2_RUNNER}=0 is chosen for you), set it to 0, or set "
-            f"{RUNNER_CHOICE}=v2"
+            f"{V2_RUNNER}={chosen} asks vLLM for its V2 model runner while vlenvoys runs its V1 runner: unset it "
+            f"({V2_RUNNER}=0 is chosen for you), or set {RUNNER_CHOICE}=v2"
         )
 
 

@@ -19,25 +19,33 @@ from .handover import SAVES_MAPS
 
 __all__ = [
     "RUNNER_CHOICE", "interrupts_held", "interrupts_held_while_starting", "interrupts_stay_with_the_caller",
-    "runner_choice", "shutdown", "spawn_on_a_gpu", "worker_class",
+    "has_v1_runner", "runner_choice", "shutdown", "spawn_on_a_gpu", "worker_class",
 ]
 
-#: The environment variable that opts in to vLLM's V2 model runner (``v2``; #50). Unset (or ``v1``), vlenvoys
-#: runs vLLM's V1 runner, the default on vLLM 0.32 and 0.33.
+#: The environment variable that chooses vLLM's model runner: ``v1`` or ``v2`` (#50). Unset, vlenvoys runs vLLM's
+#: V1 runner where vLLM has one (0.32 and 0.33) and its V2 runner where it has no other (0.34 and later).
 RUNNER_CHOICE = "VLENVOYS_MODEL_RUNNER"
 
 
+def has_v1_runner() -> bool:
+    """Whether the installed vLLM has its V1 model runner (``vllm.v1.worker.gpu_model_runner``; 0.33 is the last)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm.v1.worker.gpu_model_runner")
+    return spec is not None and spec.origin is not None  # not the worker's stand-in (`vlenvoys.worker.v1_stand_in`)
+
+
 def runner_choice() -> str:
-    """The model runner this process's engines run: ``"v1"`` unless ``VLENVOYS_MODEL_RUNNER=v2`` opts in to V2
-    (vLLM's CPU and CUDA engines).
+    """The model runner this process's engines run: ``"v1"`` or ``"v2"``, as ``VLENVOYS_MODEL_RUNNER`` says;
+    unset, ``"v1"`` where vLLM still has its V1 runner, else ``"v2"``.
 
     Raises:
         ValueError: ``VLENVOYS_MODEL_RUNNER`` is neither ``v1`` nor ``v2``.
     """
-    chosen = os.environ.get(RUNNER_CHOICE, "").strip().lower() or "v1"
-    if chosen not in ("v1", "v2"):
+    chosen = os.environ.get(RUNNER_CHOICE, "").strip().lower()
+    if chosen not in ("", "v1", "v2"):
         raise ValueError(f"{RUNNER_CHOICE}={chosen!r}: set it to v2 (vLLM's V2 model runner) or v1, or unset it")
-    return chosen
+    return chosen or ("v1" if has_v1_runner() else "v2")
 
 
 def worker_class() -> str:

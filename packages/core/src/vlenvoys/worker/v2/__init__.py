@@ -29,16 +29,20 @@ from __future__ import annotations
 import types
 from typing import Any
 
-from nnsight.modeling.vllm.batching import VLLMBatcher
-from nnsight.modeling.vllm.fragments import VLLMFragments
-from nnsight.modeling.vllm.interleaver import VLLMInterleaver
-from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRunner, Requests
-from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker
-from nnsight.tracing.tracer import _local, _saves, inc
+from .. import v1_stand_in
 
-from ...errors import Preempted
-from ..collector import spans_of_rows
-from ..steerer import plan_step
+v1_stand_in.install()  # before nnsight's runner module, which imports vLLM's V1 runner (gone in 0.34)
+
+from nnsight.modeling.vllm.batching import VLLMBatcher  # noqa: E402
+from nnsight.modeling.vllm.fragments import VLLMFragments  # noqa: E402
+from nnsight.modeling.vllm.interleaver import VLLMInterleaver  # noqa: E402
+from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRunner, Requests  # noqa: E402
+from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker  # noqa: E402
+from nnsight.tracing.tracer import _local, _saves, inc  # noqa: E402
+
+from ...errors import Preempted  # noqa: E402
+from ..collector import spans_of_rows  # noqa: E402
+from ..steerer import plan_step  # noqa: E402
 
 __all__ = ["NNsightV2Runner", "V2Steps", "V2WorkerCalls", "end_resumed_blocks"]
 
