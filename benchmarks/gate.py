@@ -29,7 +29,13 @@ request, a 512-token prompt, 128 generated tokens): 8b_every_layer_reads,
 on raw nnsight's taps=, against plain generation of that request (run them
 apart: ``--rows 8b_every_layer_reads 8b_steer 8b_steer_generate
 taps_8b_every_layer_reads``, three engines of 18 GB). A trace row records how
-many steps its block reached (``steps_reached``).
+many steps its block reached (``steps_reached``). The other rows ask vLLM for
+its V1 model runner on both sides, the runner vlenvoys instruments by default
+on vLLM 0.32 and 0.33; the V2 rows (#50) compare with plain vLLM on its own
+default runner, V2: v1_plain_vs_v2 and v1_plain_generate_vs_v2 (plain vLLM on
+V1 against itself on V2), collect_vs_v2 and graph_steered_all_vs_v2 (vlenvoys
+on V1 against plain V2), and v2_engine_plain, v2_collect and v2_trace3
+(vlenvoys' engine on V2): ``--rows`` them, apart from the default rows.
 
 Writes ``benchmarks/results/gate-<commit>-<card>.json`` (keys ``commit``,
 ``card``, ``vllm``, ``rows``: each ``{ours, baseline, ratio, spread, floor}``,
@@ -229,7 +235,9 @@ def render(result: dict, source: str) -> str:
         verdict = "every row at or above its floor"
     else:
         verdict = "UNDER ITS FLOOR: " + ", ".join(result["under_floor"])
-    baseline = "vLLM's CPU engine" if result.get("smoke") else "plain vLLM in its default configuration (torch.compile, CUDA graphs)"
+    baseline = "vLLM's CPU engine" if result.get("smoke") else (
+        "plain vLLM in its default configuration (torch.compile, CUDA graphs), both sides on vLLM's V1 model runner"
+        " (vlenvoys' default on vLLM 0.32; vLLM's own default is V2: `--rows` the V2 rows to compare with it)")
     lines = [
         f"Gate at `{result['commit']}` on {result['device']} (vLLM {result['vllm']}), from `{source}`: {verdict}. "
         f"Ratio to {baseline}, median of {result['rounds']} rounds, each row run between two runs of its baseline; higher is faster.",
@@ -427,7 +435,7 @@ def measure(args: argparse.Namespace) -> dict:
             engines["plain8"] = LLM(path_8b, **sized_8b)
             if any(ROWS[name].ours.startswith("vg8.") for name in names):
                 engines["vg8"] = vlenvoys.load(path_8b, cuda_graphs=True, sites={"layer_output": "all"}, **sized_8b)
-        if "v2" in groups:  # after the others: a start that fails here leaves them up
+        if any(name.startswith("v2_") for name in names):  # after the others: a start that fails leaves them up
             try:
                 with runner_chosen("v2", ours=True):
                     engines["vl2"] = vlenvoys.load(path, **sized)

@@ -106,17 +106,19 @@ def test_passes_under_v2(v2_run, file, test):
 
 
 def test_v1_stays_the_default(monkeypatch):
-    """Without the opt-in nothing changes: V1 is asked of vLLM and vlenvoys' V1 worker runs it; with it, V2 and
-    the V2 worker; a contradiction or an unknown choice is refused by name."""
+    """Without the opt-in nothing changes where vLLM has its V1 runner: V1 is asked of vLLM and vlenvoys' V1 worker
+    runs it (where it has none, V2 and the V2 worker); with it, V2 and the V2 worker; a contradiction or an unknown
+    choice is refused by name."""
     from vlenvoys.engine.loading import V2_RUNNER, model_runner
-    from vlenvoys.engine.processes import RUNNER_CHOICE, worker_class
+    from vlenvoys.engine.processes import RUNNER_CHOICE, has_v1_runner, worker_class
     from vlenvoys.errors import UnsupportedVLLM
 
     engine = "gpu.GPUWorker" if torch.cuda.is_available() else "cpu.CPUWorker"
     monkeypatch.delenv(RUNNER_CHOICE, raising=False)
     monkeypatch.delenv(V2_RUNNER, raising=False)
     model_runner()
-    assert os.environ[V2_RUNNER] == "0" and worker_class() == f"vlenvoys.worker.{engine}"
+    default = ("0", f"vlenvoys.worker.{engine}") if has_v1_runner() else ("1", f"vlenvoys.worker.v2.{engine}")
+    assert (os.environ[V2_RUNNER], worker_class()) == default
     monkeypatch.setenv(RUNNER_CHOICE, "v2")
     monkeypatch.delenv(V2_RUNNER)
     model_runner()
