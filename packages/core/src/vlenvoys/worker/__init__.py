@@ -1,5 +1,5 @@
-"""What runs inside vLLM's worker process: vLLM loads `vlenvoys.worker.cpu.CPUWorker` or
-`vlenvoys.worker.gpu.GPUWorker` by path (the client names it, `vlenvoys.engine.processes.worker_class`).
+"""What runs inside vLLM's worker process: vLLM loads `vlenvoys.worker.cpu.CPUWorker`,
+`vlenvoys.worker.gpu.GPUWorker` or their V2 counterparts by path (the client names it, `vlenvoys.engine.processes.worker_class`).
 
 - `runner`: the worker and model-runner mixins (the family's envoy tree, the RPCs, each step's spans);
 - `collector`: one hook per module per step reading every collected request's rows (`vlenvoys.collect`, capture);
@@ -7,7 +7,8 @@
 - `arena`: the shared-memory writer rows and saves are handed over in;
 - `saves`: a trace's saves sent back through it;
 - `tracing`: nnsight's runner adjusted for traced requests beside the batched paths;
-- `v2`: the CPU worker over vLLM's V2 model runner (opt in: ``VLENVOYS_MODEL_RUNNER=v2``), the same parts at V2's seams.
+- `v2`: the CPU and CUDA workers over vLLM's V2 model runner (``VLENVOYS_MODEL_RUNNER=v2``, and on a vLLM
+  without V1), the same parts at V2's seams; `v1_stand_in` lets nnsight's worker parts import there.
 
 The client's code never imports these modules (an import-linter contract says so): what the two sides
 share is in `vlenvoys.wire`.
