@@ -1,5 +1,6 @@
 """What runs inside vLLM's worker process: vLLM loads `vlenvoys.worker.cpu.CPUWorker`,
-`vlenvoys.worker.gpu.GPUWorker` or their V2 counterparts by path (the client names it, `vlenvoys.engine.processes.worker_class`).
+`vlenvoys.worker.gpu.GPUWorker` or their V2 counterparts by path (the client names it,
+`vlenvoys.engine.processes.worker_class`).
 
 - `runner`: the worker and model-runner mixins (the family's envoy tree, the RPCs, each step's spans);
 - `collector`: one hook per module per step reading every collected request's rows (`vlenvoys.collect`, capture);
