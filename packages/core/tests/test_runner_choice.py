@@ -33,8 +33,17 @@ WITHOUT_V1 = textwrap.dedent("""
     os.environ.pop("VLENVOYS_MODEL_RUNNER", None)
     os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
     assert not has_v1_runner() and runner_choice() == "v2"
-    model_runner()
-    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    from vllm.triton_utils import HAS_TRITON
+    if HAS_TRITON:
+        model_runner()
+        assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    else:  # vLLM's CPU engine with PyPI's Triton: V2 refused by name, before any engine starts
+        try:
+            model_runner()
+        except UnsupportedVLLM as error:
+            assert "triton-cpu" in str(error), error
+        else:
+            raise AssertionError("V2 without a Triton backend was not refused")
     os.environ["VLENVOYS_MODEL_RUNNER"] = "v1"
     try:
         model_runner()

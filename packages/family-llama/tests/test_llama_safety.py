@@ -721,3 +721,15 @@ def test_a_client_that_disconnects_mid_request_leaves_nothing_behind(async_engin
         assert counts == [0], f"a client that {disconnect}: its block must be wound up on the worker"
         assert unfinished == 0, f"a client that {disconnect}: its request must not run on"
         assert after == before, f"a client that {disconnect}: the engine must go on serving"
+
+
+def test_a_refused_load_leaves_no_process_group_behind(tmp_path):
+    """nnsight brings a process group up to build a model's tree and takes it down before the engine starts. A load
+    vLLM refused in between left it up (or half up, and every later load failed: "pipeline model parallel group is
+    not initialized"); a refused load now takes it down, and the next load starts as the first did."""
+    path = str(testing.tiny_model("LlamaForCausalLM", tmp_path))
+    assert not torch.distributed.is_initialized(), "a load before this test left a process group up"
+    with pytest.raises(Exception, match="max_model_len"):
+        vlenvoys.load(path, max_model_len=-5)
+    assert not torch.distributed.is_initialized()
+

@@ -162,7 +162,8 @@ def model_runner() -> None:
 
     Raises:
         UnsupportedVLLM: ``VLLM_USE_V2_MODEL_RUNNER`` contradicts the choice,
-            or V1 is chosen and this vLLM has no V1 runner.
+            V1 is chosen and this vLLM has no V1 runner, or V2 is chosen and
+            vLLM found no Triton backend for the device.
     """
     chosen = os.environ.get(V2_RUNNER, "").strip()
     if runner_choice() == "v2":
@@ -170,6 +171,13 @@ def model_runner() -> None:
             raise UnsupportedVLLM(
                 f"{RUNNER_CHOICE}=v2 (or a vLLM with no V1 runner) runs vLLM's V2 model runner, but {V2_RUNNER}={chosen} "
                 f"asks for its V1 runner: unset {V2_RUNNER}"
+            )
+        from vllm.triton_utils import HAS_TRITON
+
+        if not HAS_TRITON:  # vLLM's own refusal came from deep in its config, after nnsight had started building
+            raise UnsupportedVLLM(
+                f"vLLM's V2 model runner ({RUNNER_CHOICE}=v2) runs Triton kernels, and vLLM found no Triton backend for "
+                f"this device (vLLM's CPU engine needs triton-cpu): unset {RUNNER_CHOICE} to run its V1 runner"
             )
         os.environ[V2_RUNNER] = "1"
         return

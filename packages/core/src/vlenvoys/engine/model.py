@@ -72,7 +72,17 @@ class StandardizedVLLM(VLLM):
             kwargs["envoys"] = {**(kwargs.get("envoys") or parallel_envoys()), **architecture.envoys()}
             kwargs["rename"] = {**architecture.rename, **(kwargs.get("rename") or {})}
         self.architecture = architecture
-        super().__init__(*args, **kwargs)
+        grouped = torch.distributed.is_initialized()
+        try:
+            super().__init__(*args, **kwargs)
+        except BaseException:
+            # nnsight brings a process group up to build the meta tree and takes it down before the engine starts;
+            # a load refused in between (vLLM refusing its config, even in nnsight's bringing it up) left it up,
+            # half up at worst, and the next load failed ("pipeline model parallel group is not initialized").
+            # Down with it, as a load that succeeds takes it down; a group that was up before is the caller's.
+            if not grouped and torch.distributed.is_initialized():
+                VLLM._cleanup_distributed()
+            raise
 
     def __getattr__(self, name: str) -> Any:
         """nnsight's lookup; a miss close to one of the model's names (``model.layers_ouput``) says which, and a
