@@ -232,40 +232,47 @@ def refuse_recomputed(runner: Any, scheduler_output: Any) -> None:
     requests = runner.nnsight_requests
     if not resumed or not requests.requests:
         return
-    from greenlet import GreenletExit, getcurrent
-    from nnsight.intervention.errors import capture_exception
-
     for index, request_id in enumerate(cached.req_ids):
         tracked, state = requests.requests.get(request_id), runner.requests.get(request_id)
         if request_id not in resumed or tracked is None or state is None:
             continue
-        running = [
-            mediator for mediator in tracked.workers()
-            if mediator.exception is None and (mediator.alive or getattr(mediator, "caches", None))
-        ]
         # Tokens fed before the preemption: the prompt and every sampled token but the last.
         fed = state.num_prompt_tokens + max(len(state.output_token_ids) - 1, 0)
         start = cached.num_computed_tokens[index]
-        if not running or start >= fed:
-            continue
-        error = Preempted(
-            f"vLLM preempted this request (its key/value cache went to other requests) and recomputes its {fed} "
-            f"tokens from position {start}: a block would see those positions again as extra steps, without its "
-            "earlier edits in the cache. Give the engine more key/value cache (kv_cache_memory_bytes, "
-            "gpu_memory_utilization) or run fewer requests at once (max_num_seqs, fewer invokes)"
-        )
-        for mediator in running:
-            if mediator.alive:  # unwound (its finally blocks run); GreenletExit passes any `except Exception`
-                mediator.worker.parent = getcurrent()
-                try:
-                    mediator.worker.throw(GreenletExit)
-                except BaseException:  # noqa: S110 - what the block raised on its way out: the request has its error
-                    pass
-            mediator.caches = []
-            # Erred as a block that raised: nnsight keeps its row, ends the request early, reports the error.
-            mediator.exception = error
-        if tracked.error is None:
-            tracked.error = capture_exception(error)
+        if start < fed:
+            end_preempted_blocks(tracked, fed, start)
+
+
+def end_preempted_blocks(tracked: Any, fed: int, start: int) -> None:
+    """End ``tracked``'s running blocks with `vlenvoys.Preempted`: vLLM recomputes its ``fed`` tokens from
+    position ``start`` (`refuse_recomputed` on V1, `vlenvoys.worker.v2.end_resumed_blocks` on V2)."""
+    from greenlet import GreenletExit, getcurrent
+    from nnsight.intervention.errors import capture_exception
+
+    running = [
+        mediator for mediator in tracked.workers()
+        if mediator.exception is None and (mediator.alive or getattr(mediator, "caches", None))
+    ]
+    if not running:
+        return
+    error = Preempted(
+        f"vLLM preempted this request (its key/value cache went to other requests) and recomputes its {fed} "
+        f"tokens from position {start}: a block would see those positions again as extra steps, without its "
+        "earlier edits in the cache. Give the engine more key/value cache (kv_cache_memory_bytes, "
+        "gpu_memory_utilization) or run fewer requests at once (max_num_seqs, fewer invokes)"
+    )
+    for mediator in running:
+        if mediator.alive:  # unwound (its finally blocks run); GreenletExit passes any `except Exception`
+            mediator.worker.parent = getcurrent()
+            try:
+                mediator.worker.throw(GreenletExit)
+            except BaseException:  # noqa: S110 - what the block raised on its way out: the request has its error
+                pass
+        mediator.caches = []
+        # Erred as a block that raised: nnsight keeps its row, ends the request early, reports the error.
+        mediator.exception = error
+    if tracked.error is None:
+        tracked.error = capture_exception(error)
 
 
 def serve_private_edits(requests: Any) -> None:

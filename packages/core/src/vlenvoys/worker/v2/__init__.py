@@ -40,9 +40,9 @@ from nnsight.modeling.vllm.model_runners.GPUModelRunner import NNsightGPUModelRu
 from nnsight.modeling.vllm.workers.GPUWorker import NNsightGPUWorker  # noqa: E402
 from nnsight.tracing.tracer import _local, _saves, inc  # noqa: E402
 
-from ...errors import Preempted  # noqa: E402
 from ..collector import spans_of_rows  # noqa: E402
 from ..steerer import plan_step  # noqa: E402
+from ..tracing import end_preempted_blocks  # noqa: E402
 
 __all__ = ["NNsightV2Runner", "V2Steps", "V2WorkerCalls", "end_resumed_blocks"]
 
@@ -212,37 +212,10 @@ def end_resumed_blocks(requests: Any, resumed: list) -> None:
     plus every token sampled so far, to be recomputed: a block would see those positions again as extra steps,
     without its earlier edits in the cache (as `vlenvoys.worker.tracing.refuse_recomputed` says for V1).
     """
-    from greenlet import GreenletExit, getcurrent
-    from nnsight.intervention.errors import capture_exception
-
     for data in resumed:
         tracked = requests.requests.get(data.req_id)
-        if tracked is None:
-            continue
-        running = [
-            mediator for mediator in tracked.workers()
-            if mediator.exception is None and (mediator.alive or getattr(mediator, "caches", None))
-        ]
-        if not running:
-            continue
-        error = Preempted(
-            f"vLLM preempted this request (its key/value cache went to other requests) and recomputes its "
-            f"{len(data.prefill_token_ids)} tokens from position {data.num_computed_tokens}: a block would see those "
-            "positions again as extra steps, without its earlier edits in the cache. Give the engine more key/value "
-            "cache (kv_cache_memory_bytes, gpu_memory_utilization) or run fewer requests at once (max_num_seqs, "
-            "fewer invokes)"
-        )
-        for mediator in running:
-            if mediator.alive:
-                mediator.worker.parent = getcurrent()
-                try:
-                    mediator.worker.throw(GreenletExit)
-                except BaseException:  # noqa: S110 - what the block raised on its way out: the request has its error
-                    pass
-            mediator.caches = []
-            mediator.exception = error
-        if tracked.error is None:
-            tracked.error = capture_exception(error)
+        if tracked is not None:
+            end_preempted_blocks(tracked, len(data.prefill_token_ids), data.num_computed_tokens)
 
 
 class V2WorkerCalls:
