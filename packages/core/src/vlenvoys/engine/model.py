@@ -113,7 +113,8 @@ class StandardizedVLLM(VLLM):
     @staticmethod
     def _require_v1_model_runner() -> None:
         # nnsight asks vLLM for its V1 runner, refusing VLLM_USE_V2_MODEL_RUNNER=1; where V2 is chosen
-        # (`VLENVOYS_MODEL_RUNNER=v2`, or a vLLM without V1), `loading.model_runner` asked for it and our worker serves it.
+        # (`VLENVOYS_MODEL_RUNNER=v2`, or a vLLM without V1), `loading.model_runner` asked for it, and our
+        # worker serves it.
         if runner_choice() != "v2":
             VLLM._require_v1_model_runner()
 
