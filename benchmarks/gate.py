@@ -66,6 +66,7 @@ import tomllib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -339,23 +340,31 @@ class Servers:
 
 
 @contextlib.contextmanager
-def runner_chosen(runner: str, ours: bool = False) -> Iterator[None]:
-    """Start engines, within, on vLLM's ``runner`` ("v2"): plain vLLM as its default chooses (the variable
-    unset), vlenvoys' engine (``ours``) as ``VLENVOYS_MODEL_RUNNER`` chooses. Their processes keep the
-    environment they started with; this process's is restored after."""
-    names = ("VLLM_USE_V2_MODEL_RUNNER", "VLENVOYS_MODEL_RUNNER")
-    saved = {name: os.environ.get(name) for name in names}
-    os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
-    if ours:
-        os.environ["VLENVOYS_MODEL_RUNNER"] = runner
+def environment_kept(**changes: str | None) -> Iterator[None]:
+    """Within, this process's environment with ``changes`` (None unsets), for engines started there to inherit;
+    after, the environment as it was (their processes keep what they started with)."""
+    kept = dict(os.environ)
+    for name, value in changes.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     try:
         yield
     finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        os.environ.clear()
+        os.environ.update(kept)
+
+
+def runner_of(llm: Any) -> str:
+    """The model runner a ``vllm.LLM`` asked vLLM for, read (within `on_v2`) from the environment it started with."""
+    return "V2" if llm.llm_engine.vllm_config.use_v2_model_runner else "V1"
+
+
+def on_v2(ours: bool = False) -> contextlib.AbstractContextManager[None]:
+    """Start engines, within, on vLLM's V2 runner: plain vLLM as its default chooses (the variable unset),
+    vlenvoys' engine (``ours``) as ``VLENVOYS_MODEL_RUNNER=v2`` chooses."""
+    return environment_kept(VLLM_USE_V2_MODEL_RUNNER=None, **({"VLENVOYS_MODEL_RUNNER": "v2"} if ours else {}))
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -427,10 +436,10 @@ def measure(args: argparse.Namespace) -> dict:
             engines["plain"] = LLM(path, **sized)  # vLLM's defaults otherwise: torch.compile and CUDA graphs on a GPU
             engines["vl"] = vlenvoys.load(path, **sized)
         if groups & {"v2", "v2generate"}:
-            with runner_chosen("v2"):
+            with on_v2():
                 # vLLM's default runner on a GPU (V2), as a user who sets nothing gets it.
                 engines["plain2"] = LLM(path, **sized)
-                runners["plain2"] = "V2" if engines["plain2"].llm_engine.vllm_config.use_v2_model_runner else "V1"
+                runners["plain2"] = runner_of(engines["plain2"])
         if groups & {"prefill", "generate", "v2generate"} and any(name.startswith("graph_") for name in names):
             engines["vg"] = vlenvoys.load(path, cuda_graphs=True, sites={"layer_output": "all"}, **sized)
         if "8b" in groups:
@@ -445,10 +454,10 @@ def measure(args: argparse.Namespace) -> dict:
             if not any(ROWS[name].ours.startswith(prefix) for name in names):
                 continue
             try:
-                with runner_chosen("v2", ours=True):
+                with on_v2(ours=True):
                     engines[key] = vlenvoys.load(path, **sized, **(
                         {"cuda_graphs": True, "sites": {"layer_output": "all"}} if graphs else {}))
-                runners[key] = "V2"
+                    runners[key] = runner_of(engines[key].vllm_entrypoint)
             except Exception as error:  # noqa: BLE001 - said, and its rows left out
                 print(f"{key} (vlenvoys on V2) did not start: {type(error).__name__}: {error}", flush=True)
                 runners[key] = f"failed to start: {type(error).__name__}: {error}"
@@ -462,10 +471,9 @@ def measure(args: argparse.Namespace) -> dict:
         for key, where, kwargs, sites in taps:
             from nnsight.modeling.vllm import VLLM
 
-            environ = dict(os.environ)
-            engines[key] = VLLM(where, dispatch=True, taps=sites, compilation_config={"cudagraph_mode": "PIECEWISE"}, **kwargs)
-            os.environ.clear()
-            os.environ.update(environ)
+            with environment_kept():
+                engines[key] = VLLM(where, dispatch=True, taps=sites, compilation_config={"cudagraph_mode": "PIECEWISE"},
+                                    **kwargs)
         urls = servers.wait() if servers is not None else {}
         print(f"engines up in {time.perf_counter() - began:.0f} s", flush=True)
         plain, vl, vg = engines.get("plain"), engines.get("vl"), engines.get("vg")
