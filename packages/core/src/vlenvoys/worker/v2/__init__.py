@@ -1,4 +1,5 @@
-"""The CPU engine's worker over vLLM's V2 model runner (opt in: ``VLENVOYS_MODEL_RUNNER=v2``; issue #50).
+"""vlenvoys' parts on vLLM's V2 model runner, for its CPU and CUDA workers (``VLENVOYS_MODEL_RUNNER=v2``, and on a
+vLLM without V1; issue #50).
 
 vLLM's V2 runner (``vllm.v1.worker.gpu.model_runner``, and its CPU subclass
 ``vllm.v1.worker.cpu.model_runner``) has none of the V1 seams nnsight's runner
@@ -16,8 +17,8 @@ without an error. Its own seams, each overridden here forwarding ``*args,
 - ``sample_tokens`` / ``sample``: the logits (one row per request, handed to the
   sampler, whose class is swapped for one that serves them) and the sampled ids.
 
-The mixins here are the same on both engines: `vlenvoys.worker.v2.cpu` puts them over vLLM's V2 CPU runner,
-`vlenvoys.worker.v2.gpu` over the CUDA one (its superclass, with the same seams).
+`vlenvoys.worker.v2.cpu` puts these mixins over vLLM's V2 CPU runner, `vlenvoys.worker.v2.gpu` over the CUDA
+one (its superclass, with the same seams).
 
 nnsight's plain-Python parts are reused as they are: its ``Requests`` and the runner's methods that never call
 ``super()`` (collect, finish erred requests, register). Its module imports vLLM's V1 runner, which vLLM 0.34
