@@ -90,7 +90,7 @@ def family(session: nox.Session, family: str) -> None:
     interop = (SAE_LENS,) if llama else ()
     install(session, f"packages/family-{family}[test]", *interop, real_model=llama, extras=("datasets",) if llama else ())
     tests = f"packages/family-{family}/tests"
-    session.run("pytest", tests, "-m", "not transformers_backend", *session.posargs, env=env(session))
+    session.run("pytest", tests, "-m", "not transformers_backend", "--durations=15", *session.posargs, env=env(session))
     # vLLM's transformers backend wraps transformers' classes process-wide: its tests
     # run in a process of their own (exit code 5: the family has none).
     session.run("pytest", tests, "-m", "transformers_backend", *session.posargs, env=env(session), success_codes=[0, 5])

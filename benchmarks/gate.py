@@ -29,14 +29,17 @@ request, a 512-token prompt, 128 generated tokens): 8b_every_layer_reads,
 on raw nnsight's taps=, against plain generation of that request (run them
 apart: ``--rows 8b_every_layer_reads 8b_steer 8b_steer_generate
 taps_8b_every_layer_reads``, three engines of 18 GB). A trace row records how
-many steps its block reached (``steps_reached``). The other rows ask vLLM for
-its V1 model runner on both sides, the runner vlenvoys instruments by default
-on vLLM 0.32 and 0.33; the V2 rows (#50) compare with plain vLLM on its own
-default runner, V2: v1_plain_vs_v2 and v1_plain_generate_vs_v2 (plain vLLM on
-V1 against itself on V2), collect_vs_v2 and graph_steered_all_vs_v2 (vlenvoys
-on V1 against plain V2), and v2_engine_plain, v2_collect and v2_trace3
-(vlenvoys' engine on V2), v2_graph_collect and v2_graph_steered_all (the graph
-engine on V2): ``--rows`` them, apart from the default rows.
+many steps its block reached (``steps_reached``).
+
+Runners: plain vLLM runs the model runner its default chooses (V2 on a GPU
+since vLLM 0.27; V1 where it finds no Triton), as a user who sets nothing gets
+it; vlenvoys runs its own default (V1 on vLLM 0.32 and 0.33). The result
+names each engine's runner (``runners``). More rows, run where ``--rows``
+names them (#50): plain_v1 and plain_v1_generate (plain vLLM asked for its V1
+runner, against its default), v2_engine_plain, v2_collect and v2_trace3
+(vlenvoys' engine on V2) and v2_graph_collect and v2_graph_steered_all (the
+graph engine on V2). Earlier gates, whose JSON names no ``runners``, asked
+for V1 on both sides.
 
 Writes ``benchmarks/results/gate-<commit>-<card>.json`` (keys ``commit``,
 ``card``, ``vllm``, ``rows``: each ``{ours, baseline, ratio, spread, floor}``,
@@ -115,26 +118,20 @@ ROWS: dict[str, Row] = {
     "datasets_1e6": Row("datasets", "vl.dataset", "plain.windows", "collect_dataset of 1e6 tokens (one block's stream, windows of 128)"),
     "serve_steered": Row("serve", "serve.steered", "serve.plain", "vlenvoys serve --cuda-graphs, every request steered at 2 blocks"),
     "serve_capture": Row("serve", "serve.capture", "serve.plain", "vlenvoys serve --cuda-graphs, every request capturing 2 blocks' stream"),
-    # vLLM's V2 model runner (#50), its default on a GPU: the gate's other rows ask vLLM for V1, the runner vlenvoys
-    # instruments by default on 0.32 and 0.33 (plain vLLM's too, so that both sides run the same runner).
-    "v1_plain_vs_v2": Row("v2", "plain.prefill_v1", "plain2.prefill",
-                          "plain vLLM on its V1 runner, against itself on V2 (its default)", default=False),
-    "collect_vs_v2": Row("v2", "vl.collect_v1", "plain2.prefill",
-                         "vlenvoys.collect on the V1 runner, layer_output at 3 blocks, against plain vLLM on V2",
-                         default=False),
-    "v2_engine_plain": Row("v2", "vl2.plain", "plain2.prefill", "the vlenvoys engine on V2: its own plain prefill",
+    # The model runners (#50): plain vLLM asked for V1 against its default, and vlenvoys asked for V2.
+    "plain_v1": Row("prefill", "plain1.prefill", "plain.prefill", "plain vLLM asked for its V1 model runner", default=False),
+    "plain_v1_generate": Row("generate", "plain1.generate", "plain.generate",
+                             "plain vLLM generating on its V1 model runner", default=False),
+    "v2_engine_plain": Row("prefill", "vl2.plain", "plain.prefill", "the vlenvoys engine on V2: its own plain prefill",
                            default=False),
-    "v2_collect": Row("v2", "vl2.collect", "plain2.prefill", "V2: vlenvoys.collect, layer_output at 3 blocks", default=False),
-    "v2_trace3": Row("v2", "vl2.trace3", "plain2.prefill", "V2: a trace reading layer_output at 3 blocks, 64 invokes a trace",
+    "v2_collect": Row("prefill", "vl2.collect", "plain.prefill", "V2: vlenvoys.collect, layer_output at 3 blocks",
+                      default=False),
+    "v2_trace3": Row("prefill", "vl2.trace3", "plain.prefill", "V2: a trace reading layer_output at 3 blocks, 64 invokes a trace",
                      default=False),
-    "v2_graph_collect": Row("v2", "vg2.collect", "plain2.prefill", "V2: the graph engine's vlenvoys.collect, layer_output at 3 blocks",
-                            default=False),
-    "v2_graph_steered_all": Row("v2generate", "vg2.steered_all", "plain2.generate",
+    "v2_graph_collect": Row("prefill", "vg2.collect", "plain.prefill",
+                            "V2: the graph engine's vlenvoys.collect, layer_output at 3 blocks", default=False),
+    "v2_graph_steered_all": Row("generate", "vg2.steered_all", "plain.generate",
                                 "V2: the graph engine's vlenvoys.generate, every request steered", default=False),
-    "v1_plain_generate_vs_v2": Row("v2generate", "plain.generate_v1", "plain2.generate",
-                                   "plain vLLM generating on its V1 runner, against itself on V2", default=False),
-    "graph_steered_all_vs_v2": Row("v2generate", "vg.steered_all_v1", "plain2.generate",
-                                   "graph engine (V1): every request steered, against plain vLLM on V2", default=False),
     "8b_every_layer_reads": Row("8b", "vg8.every_layer", "plain8.generate",
                                 "8B shape, graph engine: a trace reading layer_output at every block at every step",
                                 default=False),
@@ -241,9 +238,12 @@ def render(result: dict, source: str) -> str:
         verdict = "every row at or above its floor"
     else:
         verdict = "UNDER ITS FLOOR: " + ", ".join(result["under_floor"])
+    runners = result.get("runners", {})  # earlier gates name none: they asked for V1 on both sides
+    plain = runners.get("plain") or runners.get("plain8") or "V1"
+    ours = runners.get("vl") or runners.get("vg8") or "V1"
     baseline = "vLLM's CPU engine" if result.get("smoke") else (
-        "plain vLLM in its default configuration (torch.compile, CUDA graphs), both sides on vLLM's V1 model runner"
-        " (vlenvoys' default on vLLM 0.32; vLLM's own default is V2: `--rows` the V2 rows to compare with it)")
+        f"plain vLLM in its default configuration (torch.compile, CUDA graphs, its {plain} model runner"
+        f"{'' if runners else ', asked for'}), vlenvoys on its {ours} model runner")
     lines = [
         f"Gate at `{result['commit']}` on {result['device']} (vLLM {result['vllm']}), from `{source}`: {verdict}. "
         f"Ratio to {baseline}, median of {result['rounds']} rounds, each row run between two runs of its baseline; higher is faster.",
@@ -357,14 +357,14 @@ def environment_kept(**changes: str | None) -> Iterator[None]:
 
 
 def runner_of(llm: Any) -> str:
-    """The model runner a ``vllm.LLM`` asked vLLM for, read (within `on_v2`) from the environment it started with."""
+    """The model runner a ``vllm.LLM`` runs, as its config read the environment it started with ("V1" or "V2")."""
     return "V2" if llm.llm_engine.vllm_config.use_v2_model_runner else "V1"
 
 
-def on_v2(ours: bool = False) -> contextlib.AbstractContextManager[None]:
-    """Start engines, within, on vLLM's V2 runner: plain vLLM as its default chooses (the variable unset),
-    vlenvoys' engine (``ours``) as ``VLENVOYS_MODEL_RUNNER=v2`` chooses."""
-    return environment_kept(VLLM_USE_V2_MODEL_RUNNER=None, **({"VLENVOYS_MODEL_RUNNER": "v2"} if ours else {}))
+def vllm_default() -> contextlib.AbstractContextManager[None]:
+    """Start engines, within, as a user who sets nothing does: vLLM chooses its runner (vlenvoys' own load sets
+    ``VLLM_USE_V2_MODEL_RUNNER`` in this process, and on-device.sh may have)."""
+    return environment_kept(VLLM_USE_V2_MODEL_RUNNER=None)
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -427,26 +427,28 @@ def measure(args: argparse.Namespace) -> dict:
                       else {"kv_cache_memory_bytes": vlenvoys.engine.CPU_KV_CACHE_BYTES})
     scratch = Path(tempfile.mkdtemp(prefix="vlenvoys-gate-"))
     engines: dict[str, object] = {}
-    runners: dict[str, str] = {}  # the V2 rows' engines: which runner each ran
+    runners: dict[str, str] = {}  # each engine's model runner, as it ran
+    wanted = {ROWS[name].ours for name in names} | {ROWS[name].baseline for name in names}
     servers = None
     try:
         if "serve" in groups:
-            servers = Servers(path, cuda, scratch)  # they start while the engines below do
+            with vllm_default():
+                servers = Servers(path, cuda, scratch)  # they start while the engines below do
         if groups - {"8b"}:
-            engines["plain"] = LLM(path, **sized)  # vLLM's defaults otherwise: torch.compile and CUDA graphs on a GPU
+            with vllm_default():
+                engines["plain"] = LLM(path, **sized)  # vLLM's defaults otherwise: torch.compile and CUDA graphs on a GPU
             engines["vl"] = vlenvoys.load(path, **sized)
-        if groups & {"v2", "v2generate"}:
-            with on_v2():
-                # vLLM's default runner on a GPU (V2), as a user who sets nothing gets it.
-                engines["plain2"] = LLM(path, **sized)
-                runners["plain2"] = runner_of(engines["plain2"])
-        if groups & {"prefill", "generate", "v2generate"} and any(name.startswith("graph_") for name in names):
+        if any(key.startswith("plain1.") for key in wanted):
+            with environment_kept(VLLM_USE_V2_MODEL_RUNNER="0"):
+                engines["plain1"] = LLM(path, **sized)
+        if any(key.startswith("vg.") for key in wanted):
             engines["vg"] = vlenvoys.load(path, cuda_graphs=True, sites={"layer_output": "all"}, **sized)
         if "8b" in groups:
             path_8b = str(shaped_checkpoint(shape_8b, "8b-smoke" if args.smoke else "8b"))
             # One request at a time: a small batch limit (the same for all three) keeps the graphs' capture short.
             sized_8b = sized | {"load_format": "dummy", "max_num_seqs": 8} | ({"kv_cache_memory_bytes": 2 << 30} if cuda else {})
-            engines["plain8"] = LLM(path_8b, **sized_8b)
+            with vllm_default():
+                engines["plain8"] = LLM(path_8b, **sized_8b)
             if any(ROWS[name].ours.startswith("vg8.") for name in names):
                 engines["vg8"] = vlenvoys.load(path_8b, cuda_graphs=True, sites={"layer_output": "all"}, **sized_8b)
         # After the others: a start that fails here leaves them up.
@@ -454,10 +456,9 @@ def measure(args: argparse.Namespace) -> dict:
             if not any(ROWS[name].ours.startswith(prefix) for name in names):
                 continue
             try:
-                with on_v2(ours=True):
+                with environment_kept(VLLM_USE_V2_MODEL_RUNNER=None, VLENVOYS_MODEL_RUNNER="v2"):
                     engines[key] = vlenvoys.load(path, **sized, **(
                         {"cuda_graphs": True, "sites": {"layer_output": "all"}} if graphs else {}))
-                    runners[key] = runner_of(engines[key].vllm_entrypoint)
             except Exception as error:  # noqa: BLE001 - said, and its rows left out
                 print(f"{key} (vlenvoys on V2) did not start: {type(error).__name__}: {error}", flush=True)
                 runners[key] = f"failed to start: {type(error).__name__}: {error}"
@@ -474,6 +475,9 @@ def measure(args: argparse.Namespace) -> dict:
             with environment_kept():
                 engines[key] = VLLM(where, dispatch=True, taps=sites, compilation_config={"cudagraph_mode": "PIECEWISE"},
                                     **kwargs)
+        for key, engine in engines.items():
+            if not key.startswith("taps"):
+                runners[key] = runner_of(getattr(engine, "vllm_entrypoint", engine))
         urls = servers.wait() if servers is not None else {}
         print(f"engines up in {time.perf_counter() - began:.0f} s", flush=True)
         plain, vl, vg = engines.get("plain"), engines.get("vl"), engines.get("vg")
@@ -541,7 +545,7 @@ def measure(args: argparse.Namespace) -> dict:
 
             return lambda: asyncio.run(completions(urls[server], "bench", serve_texts, work.serve_tokens, every, kind))
 
-        plain2, vl2, vg2 = engines.get("plain2"), engines.get("vl2"), engines.get("vg2")
+        plain1, vl2, vg2 = engines.get("plain1"), engines.get("vl2"), engines.get("vg2")
         # Each measurement: (group, name, amount, unit, run). A group's baseline comes first in each round.
         runs = [
             ("prefill", "plain.prefill", work.prefill, "prompts/s", lambda: requests(plain, prefill, 1, False)),
@@ -559,28 +563,22 @@ def measure(args: argparse.Namespace) -> dict:
             *[("generate", f"vg.steered_{key}", work.generate * work.tokens, "tokens/s",
                lambda each=each: vlenvoys.generate(vg, generate, every_step, steering=each, progress=False))
               for key, each in (("all", steering), ("half", half), ("none", None))],
-            ("v2", "plain2.prefill", work.prefill, "prompts/s", lambda: requests(plain2, prefill, 1, False)),
-            ("v2", "plain.prefill_v1", work.prefill, "prompts/s", lambda: requests(plain, prefill, 1, False)),
-            ("v2", "vl.collect_v1", work.prefill, "prompts/s", lambda: collect(vl, prefill, "layer_output", layers)),
+            ("prefill", "plain1.prefill", work.prefill, "prompts/s", lambda: requests(plain1, prefill, 1, False)),
             *([] if vl2 is None else [
-                ("v2", "vl2.plain", work.prefill, "prompts/s", lambda: requests(vl2.vllm_entrypoint, prefill, 1, False)),
-                ("v2", "vl2.collect", work.prefill, "prompts/s", lambda: collect(vl2, prefill, "layer_output", layers)),
-                ("v2", "vl2.trace3", work.prefill, "prompts/s",
+                ("prefill", "vl2.plain", work.prefill, "prompts/s", lambda: requests(vl2.vllm_entrypoint, prefill, 1, False)),
+                ("prefill", "vl2.collect", work.prefill, "prompts/s", lambda: collect(vl2, prefill, "layer_output", layers)),
+                ("prefill", "vl2.trace3", work.prefill, "prompts/s",
                  lambda: traced(vl2, prefill, standard_reads, batch=work.per_trace)),
             ]),
             *([] if vg2 is None else [
-                ("v2", "vg2.collect", work.prefill, "prompts/s", lambda: collect(vg2, prefill, "layer_output", layers)),
+                ("prefill", "vg2.collect", work.prefill, "prompts/s", lambda: collect(vg2, prefill, "layer_output", layers)),
             ]),
-            ("v2generate", "plain2.generate", work.generate * work.tokens, "tokens/s",
-             lambda: requests(plain2, generate, work.tokens, False)),
+            ("generate", "plain1.generate", work.generate * work.tokens, "tokens/s",
+             lambda: requests(plain1, generate, work.tokens, False)),
             *([] if vg2 is None else [
-                ("v2generate", "vg2.steered_all", work.generate * work.tokens, "tokens/s",
+                ("generate", "vg2.steered_all", work.generate * work.tokens, "tokens/s",
                  lambda: vlenvoys.generate(vg2, generate, every_step, steering=steering, progress=False)),
             ]),
-            ("v2generate", "plain.generate_v1", work.generate * work.tokens, "tokens/s",
-             lambda: requests(plain, generate, work.tokens, False)),
-            ("v2generate", "vg.steered_all_v1", work.generate * work.tokens, "tokens/s",
-             lambda: vlenvoys.generate(vg, generate, every_step, steering=steering, progress=False)),
             ("datasets", "plain.windows", len(cut) * work.context_length, "tokens/s",
              lambda: plain_prefill(plain, cut, in_flight, detokenize=False)),
             ("datasets", "vl.dataset", len(cut) * work.context_length, "tokens/s", dataset),
@@ -597,7 +595,6 @@ def measure(args: argparse.Namespace) -> dict:
             ("8b", "taps8.every_layer", work.tokens_8b, "tokens/s",
              each_step("taps8.every_layer", engines.get("taps8"), every_block_raw)),
         ]
-        wanted = {ROWS[name].ours for name in names} | {ROWS[name].baseline for name in names}
         runs = [run for run in runs if run[1] in wanted]
         seconds: dict[str, list[float]] = {key: [] for _, key, *_ in runs}
         beside: dict[str, list[float]] = {}
@@ -657,7 +654,7 @@ def measure(args: argparse.Namespace) -> dict:
         "seconds": round(time.perf_counter() - began, 1),
         "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "rows": rows,
-        **({"v2_runners": runners} if runners else {}),
+        "runners": runners,
         "worker": worker,
         # Every counted run's seconds, in each round's order (a baseline's several a round): for reading a row's noise.
         "run_seconds": {key: [round(each, 4) for each in values] for key, values in seconds.items()},

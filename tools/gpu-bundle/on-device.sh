@@ -33,7 +33,8 @@ profile)  # where a trace's time goes on the GPU (#48 item 2): py-spy of the eng
   shift
   timeout "${PROFILE_SECONDS:-560}" python3 benchmarks/bench.py --paired --repeats 1 --profile "${OUT:-/tmp}/profile" "$@" 2>&1 |
     grep -v "it/s\]" | tail -60 ;;
-gate)
+gate)  # each engine as the gate starts it: plain vLLM on its default runner, vlenvoys on its own
+  unset VLLM_USE_V2_MODEL_RUNNER
   shift
   set -o pipefail
   timeout "${GATE_SECONDS:-575}" python3 benchmarks/gate.py --commit "$(cat /tmp/site/measured-commit)" --out "${OUT:-.}" "$@" 2>&1 |

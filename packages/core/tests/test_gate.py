@@ -160,3 +160,12 @@ def test_report_takes_only_a_judged_gpu_result(tmp_path):
     judged.write_text(json.dumps({**{key: value for key, value in result.items() if key != "smoke"}, "card": "h200"}))
     gate.report(judged, pages=[page])  # outside the repository: shown by its own path
     assert str(judged) in page.read_text() and page.read_text().endswith(f"{gate.END}\nafter\n")
+
+
+def test_the_table_names_the_model_runner_each_side_ran():
+    row = {"ours": 2.0, "baseline": 2.0, "unit": "prompts/s", "ratio": 1.0, "spread": 0.0, "floor": None, "what": "w"}
+    result = {"commit": "c", "device": "d", "vllm": "0.32.0", "rounds": 1, "passed": True, "rows": {"collect": row}}
+    # Gates that name no runners asked vLLM for V1 on both sides.
+    assert "its V1 model runner, asked for), vlenvoys on its V1" in gate.render(result, "f.json")
+    shown = gate.render(result | {"runners": {"plain": "V2", "vl": "V1", "vg": "V1"}}, "f.json")
+    assert "its V2 model runner), vlenvoys on its V1 model runner" in shown
