@@ -481,6 +481,30 @@ def parallel_identity(subject) -> None:
     assert vlenvoys.support(model)["layer", "layer_mid"].note == vlenvoys.PARALLEL
 
 
+def test_texts_sent_together_get_the_ids_vllm_gives_each_alone(subject):
+    """A trace's invokes, a collection's and `vlenvoys.generate`'s texts are tokenized in one call of the tokenizer
+    (`vlenvoys.engine.requests.tokenized_together`): each text gets the ids vLLM's own tokenizing of it alone gives."""
+    from vllm import SamplingParams
+
+    dtype_independent(subject)
+    model = subject.model
+    texts = [*PROMPTS, "  two leading spaces", "Ünïcödé, an emoji 🙂 and a\nnew line", "<s> and </s> as text", "xyz " * 20]
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    llm = model.vllm_entrypoint
+    alone = [llm.generate([text], one, use_tqdm=False)[0].prompt_token_ids for text in texts]  # vLLM tokenizes it
+    generated = vlenvoys.generate(model, texts, one, progress=False)
+    assert [list(output.prompt_token_ids) for output in generated] == alone
+    assert [output.prompt for output in generated] == texts
+    with model.trace(temperature=0.0, max_tokens=1) as tracer:
+        read = dict().save()
+        for number, text in enumerate(texts):
+            with tracer.invoke(text):
+                read[number] = model.input_ids
+    assert [host(read[number]).flatten().tolist() for number in range(len(texts))] == alone
+    collected = vlenvoys.collect(model, texts, "layer_output", [0], batch_size=3)["layer_output.0"]
+    assert [rows.shape[-2] for rows in collected] == [len(ids) for ids in alone]
+
+
 def test_saved_values_are_private_copies(subject):
     """A saved block-0 stream is not overwritten by later kernels (vLLM reuses its buffers)."""
     dtype_independent(subject)

@@ -58,7 +58,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ..engine.handover import InThread, Rows, read_rows
-from ..engine.requests import check_engine
+from ..engine.requests import check_engine, shared_call_path
 from ..values.support import support
 from ..wire.shm import row_bytes
 from .prompts import checked_reads, progress_bar, scheduled_at_once, stream
@@ -260,21 +260,6 @@ def windows(texts: Iterable[str], tokenizer: Any, context_length: int, *, bos: b
         del stream[:cut]
 
 
-#: A tokenizer's call path: where a class defines one of these outside transformers' shared tokenizer code
-#: (and vLLM's wrappers, which delegate), it may prepare text in Python, and `_Tokenizing` calls it as it is.
-_CALL_PATH = ("__call__", "_call_one", "_encode_plus", "_batch_encode_plus", "encode", "tokenize", "prepare_for_tokenization")
-
-
-def _shared_call_path(tokenizer: Any) -> bool:
-    """Whether every method of ``tokenizer``'s call path is transformers' shared code or a vLLM wrapper's."""
-    for name in _CALL_PATH:
-        owner = next((cls for cls in type(tokenizer).__mro__ if name in vars(cls)), None)
-        module = getattr(owner, "__module__", "") or ""
-        if owner is not None and not module.startswith(("transformers.tokenization_utils", "vllm.")):
-            return False
-    return True
-
-
 class _Tokenizing:
     """Texts to their token ids without special tokens: ``tokenizer``'s call, made cheaper where it gives the same ids.
 
@@ -285,7 +270,7 @@ class _Tokenizing:
     truncation, no padding, special tokens split as ``split_special_tokens``
     says), gives the same ids with the GIL held only to make each text's
     list. It is used only where the tokenizer's call path is transformers'
-    shared code (`_shared_call_path`: no subclass prepares text in Python)
+    shared code (`vlenvoys.engine.requests.shared_call_path`: no subclass prepares text in Python)
     and the Rust tokenizer copies (a custom Python pre-tokenizer does not);
     the first `CHECKED_TEXTS` non-empty texts are also tokenized both ways,
     and a difference there calls the tokenizer as it is from then on.
@@ -297,7 +282,7 @@ class _Tokenizing:
         self.direct: bool | None = None
         self.checked = 0  # non-empty texts tokenized both ways, the same
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        if backend is None or not hasattr(backend, "encode_batch_fast") or not _shared_call_path(tokenizer):
+        if backend is None or not hasattr(backend, "encode_batch_fast") or not shared_call_path(tokenizer):
             self.direct = False
             return
         try:

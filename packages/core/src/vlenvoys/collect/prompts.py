@@ -22,6 +22,7 @@ nobody else's request carries this block, its cost or its saves.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import uuid
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -34,7 +35,7 @@ from nnsight.intervention.interleaver import Mediator
 from nnsight.modeling.vllm.engines.engine import merge_collected
 
 from ..engine.handover import InThread, one_thread_beside_a_cpu_engine
-from ..engine.requests import check_engine, checked_prompts, salted
+from ..engine.requests import check_engine, checked_prompts, salted, tokenized_together
 from ..engine.stepping import clean_up
 from ..errors import Unavailable, reraise
 from ..values.envoys import block_index
@@ -436,7 +437,7 @@ def _run(
     engine = model.vllm_entrypoint.llm_engine
     run = uuid.uuid4().hex[:12]
     in_flight: dict[str, int] = {}
-    upcoming = enumerate(prompts)
+    upcoming = enumerate(_tokenized_ahead(engine, prompts))
     drawn_all = False
 
     def submit() -> None:
@@ -447,7 +448,7 @@ def _run(
                 drawn_all = True
                 return
             request_id = f"vlenvoys-collect.{run}.{following}"
-            prompt = salted(prompt if isinstance(prompt, str) else TokensPrompt(prompt_token_ids=prompt), "collect", request_id)
+            prompt = salted(TokensPrompt(prompt_token_ids=prompt) if isinstance(prompt, list) else prompt, "collect", request_id)
             try:
                 engine.add_request(request_id, prompt, params)
             except VLLMClientError as error:
@@ -486,6 +487,13 @@ def _run(
         if unfinished:
             clean_up(model, abort, quietly=True)
         raise
+
+
+def _tokenized_ahead(engine: Any, prompts: Iterable, chunk: int = 64) -> Iterator:
+    """``prompts`` as they come, the texts of each ``chunk`` tokenized in one call (`tokenized_together`)."""
+    upcoming = iter(prompts)
+    while batch := list(itertools.islice(upcoming, chunk)):
+        yield from tokenized_together(engine, batch)
 
 
 def _values_of(output: Any, index: int) -> dict[str, torch.Tensor]:

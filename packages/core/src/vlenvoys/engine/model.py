@@ -38,7 +38,7 @@ from .processes import (
     spawn_on_a_gpu,
     worker_class,
 )
-from .requests import salted
+from .requests import salted, tokenized_together
 from .saves import merged
 from .sources import install
 from .stepping import StandardLLMEngine, abandoned_on_error
@@ -205,7 +205,8 @@ class StandardizedVLLM(VLLM):
 
     def _batch(self, invokes: list[tuple], fn: Any) -> tuple:
         (prompts, params, lora_requests), kwargs = super()._batch(invokes, fn)
-        return ([salted(prompt, "trace") for prompt in prompts], params, lora_requests), kwargs
+        prompts = tokenized_together(self.vllm_entrypoint, [salted(prompt, "trace") for prompt in prompts])
+        return (prompts, params, lora_requests), kwargs
 
     def trace(self, *inputs: Any, progress: bool = False, **kwargs: Any) -> Any:
         """nnsight's trace: ``with model.trace(prompt, **sampling):`` reads and edits the values of one request.

@@ -1,14 +1,101 @@
-"""The requests the client adds to the engine: prompts checked, each with a cache salt of its own where it must."""
+"""The requests the client adds to the engine: prompts checked, tokenized together, each with a cache salt of its own
+where it must."""
 
 from __future__ import annotations
 
 import uuid
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["check_engine", "checked_prompts", "salted"]
+__all__ = ["check_engine", "checked_prompts", "salted", "shared_call_path", "tokenized_together"]
+
+#: A tokenizer's call path: where a class defines one of these outside transformers' shared tokenizer code
+#: (and vLLM's wrappers, which delegate), it may prepare text in Python, and is called as it is.
+CALL_PATH = ("__call__", "_call_one", "_encode_plus", "_batch_encode_plus", "encode", "tokenize", "prepare_for_tokenization")
+#: Texts of a renderer's first batch also tokenized one by one, as vLLM does: a difference ends batching there.
+CHECKED_PROMPTS = 8
+_batching: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # renderer -> whether its batches give vLLM's ids
+
+
+def shared_call_path(tokenizer: Any) -> bool:
+    """Whether every method of ``tokenizer``'s call path is transformers' shared code or a vLLM wrapper's."""
+    for name in CALL_PATH:
+        owner = next((cls for cls in type(tokenizer).__mro__ if name in vars(cls)), None)
+        module = getattr(owner, "__module__", "") or ""
+        if owner is not None and not module.startswith(("transformers.tokenization_utils", "vllm.")):
+            return False
+    return True
+
+
+def tokenized_together(engine: Any, prompts: list) -> list:
+    """``prompts`` with each text's token ids, from one call of the engine's tokenizer for all of them.
+
+    vLLM tokenizes a request's text alone as the request is added. The Python
+    of each tokenizer call (a dict of lists built per call) costs as much as
+    the tokenizing: a quarter of a 64-invoke trace's client time on an H100
+    (benchmarks/results/trace-cost-5b257ef-h100.md). One call for a trace's,
+    a collection's or a generation's texts gives each the ids vLLM would:
+    vLLM's own settings for a completion's text (the renderer's
+    ``default_cmpl_tok_params``: its checks of the text, then the tokenizer's
+    arguments), a fast tokenizer whose call path is transformers' shared code,
+    and each renderer's first batch checked against the texts tokenized one
+    by one (a difference, and it never batches again). The ids go in a
+    ``TokensPrompt`` beside the text (``prompt``), as vLLM's renderer builds it.
+
+    ``engine``: a ``vllm.LLM`` or its ``LLMEngine``. ``prompts``: strings,
+    vLLM prompt dicts (only ``{"prompt": text}`` with at most a ``cache_salt``
+    is tokenized) or token ids. What is not tokenized here goes as it came, for
+    vLLM to tokenize or refuse by itself: token ids and other dicts, a text
+    vLLM's checks refuse (too long), a lone text, a multimodal model's, a
+    tokenizer of its own call path, a vLLM without these settings.
+    """
+    texts = [index for index, prompt in enumerate(prompts) if _text_of(prompt) is not None]
+    renderer = getattr(engine, "renderer", None)
+    if len(texts) < 2 or renderer is None or _batching.get(renderer) is False:
+        return prompts
+    try:
+        params = renderer.default_cmpl_tok_params
+        tokenizer = renderer.get_tokenizer()
+        kwargs = params.get_encode_kwargs()
+        usable = (getattr(renderer, "mm_processor", None) is None and params.truncate_prompt_tokens is None
+                  and not getattr(params, "return_token_offsets", False))
+    except Exception:  # noqa: BLE001 - another vLLM's renderer, or none to tokenize with: vLLM tokenizes each
+        _batching[renderer] = False
+        return prompts
+    if not usable or not getattr(tokenizer, "is_fast", False) or not shared_call_path(tokenizer):
+        _batching[renderer] = False
+        return prompts
+    checked = {}
+    for index in texts:
+        try:  # vLLM's checks of a text (its length in characters, lowercasing where the model asks for it)
+            checked[index] = params.apply_pre_tokenization(tokenizer, {"prompt": _text_of(prompts[index])})["prompt"]
+        except Exception:  # noqa: BLE001 - vLLM refuses it by itself, in its place among the requests
+            continue
+    if len(checked) < 2:
+        return prompts
+    ids = tokenizer(list(checked.values()), **kwargs)["input_ids"]
+    if renderer not in _batching:
+        first = list(checked.values())[:CHECKED_PROMPTS]
+        _batching[renderer] = [tokenizer(text, **kwargs)["input_ids"] for text in first] == ids[: len(first)]
+        if not _batching[renderer]:
+            return prompts
+    tokenized = list(prompts)
+    for index, token_ids in zip(checked, ids, strict=True):
+        prompt = tokenized[index]
+        tokenized[index] = {**(prompt if isinstance(prompt, dict) else {}), "prompt": checked[index],
+                            "prompt_token_ids": list(token_ids)}
+    return tokenized
+
+
+def _text_of(prompt: Any) -> str | None:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str) and set(prompt) <= {"prompt", "cache_salt"}:
+        return prompt["prompt"]
+    return None
 
 
 def salted(prompt: Any, kind: str, unique: str | None = None) -> Any:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..engine.requests import check_engine, checked_prompts
+from ..engine.requests import check_engine, checked_prompts, tokenized_together
 from ..engine.stepping import abandoned_on_error
 from ..errors import InvalidWrite
 from ..values.reads import unsteerable
@@ -180,7 +180,9 @@ def generate(
         else:
             inputs.append(TokensPrompt(prompt_token_ids=prompt, **options))
     with abandoned_on_error(model):  # an interrupted call leaves nothing running on the engine
-        outputs = model.vllm_entrypoint.generate(inputs, per_request, use_tqdm=use_tqdm)
+        outputs = model.vllm_entrypoint.generate(
+            tokenized_together(model.vllm_entrypoint, inputs), per_request, use_tqdm=use_tqdm
+        )
     if encoded:
         _raise_failures(model, outputs)
     return outputs
