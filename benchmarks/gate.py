@@ -357,7 +357,8 @@ def environment_kept(**changes: str | None) -> Iterator[None]:
 
 
 def runner_of(llm: Any) -> str:
-    """The model runner a ``vllm.LLM`` runs, as its config read the environment it started with ("V1" or "V2")."""
+    """The model runner a ``vllm.LLM`` runs ("V1" or "V2"): read right after it starts, within the environment it
+    started with (vLLM's config reads the variable each time it is asked, and vlenvoys' load sets it here)."""
     return "V2" if llm.llm_engine.vllm_config.use_v2_model_runner else "V1"
 
 
@@ -437,20 +438,26 @@ def measure(args: argparse.Namespace) -> dict:
         if groups - {"8b"}:
             with vllm_default():
                 engines["plain"] = LLM(path, **sized)  # vLLM's defaults otherwise: torch.compile and CUDA graphs on a GPU
+                runners["plain"] = runner_of(engines["plain"])
             engines["vl"] = vlenvoys.load(path, **sized)
+            runners["vl"] = runner_of(engines["vl"].vllm_entrypoint)
         if any(key.startswith("plain1.") for key in wanted):
             with environment_kept(VLLM_USE_V2_MODEL_RUNNER="0"):
                 engines["plain1"] = LLM(path, **sized)
+                runners["plain1"] = runner_of(engines["plain1"])
         if any(key.startswith("vg.") for key in wanted):
             engines["vg"] = vlenvoys.load(path, cuda_graphs=True, sites={"layer_output": "all"}, **sized)
+            runners["vg"] = runner_of(engines["vg"].vllm_entrypoint)
         if "8b" in groups:
             path_8b = str(shaped_checkpoint(shape_8b, "8b-smoke" if args.smoke else "8b"))
             # One request at a time: a small batch limit (the same for all three) keeps the graphs' capture short.
             sized_8b = sized | {"load_format": "dummy", "max_num_seqs": 8} | ({"kv_cache_memory_bytes": 2 << 30} if cuda else {})
             with vllm_default():
                 engines["plain8"] = LLM(path_8b, **sized_8b)
+                runners["plain8"] = runner_of(engines["plain8"])
             if any(ROWS[name].ours.startswith("vg8.") for name in names):
                 engines["vg8"] = vlenvoys.load(path_8b, cuda_graphs=True, sites={"layer_output": "all"}, **sized_8b)
+                runners["vg8"] = runner_of(engines["vg8"].vllm_entrypoint)
         # After the others: a start that fails here leaves them up.
         for key, graphs, prefix in (("vl2", False, "vl2."), ("vg2", True, "vg2.")):
             if not any(ROWS[name].ours.startswith(prefix) for name in names):
@@ -459,6 +466,7 @@ def measure(args: argparse.Namespace) -> dict:
                 with environment_kept(VLLM_USE_V2_MODEL_RUNNER=None, VLENVOYS_MODEL_RUNNER="v2"):
                     engines[key] = vlenvoys.load(path, **sized, **(
                         {"cuda_graphs": True, "sites": {"layer_output": "all"}} if graphs else {}))
+                    runners[key] = runner_of(engines[key].vllm_entrypoint)
             except Exception as error:  # noqa: BLE001 - said, and its rows left out
                 print(f"{key} (vlenvoys on V2) did not start: {type(error).__name__}: {error}", flush=True)
                 runners[key] = f"failed to start: {type(error).__name__}: {error}"
@@ -475,9 +483,6 @@ def measure(args: argparse.Namespace) -> dict:
             with environment_kept():
                 engines[key] = VLLM(where, dispatch=True, taps=sites, compilation_config={"cudagraph_mode": "PIECEWISE"},
                                     **kwargs)
-        for key, engine in engines.items():
-            if not key.startswith("taps"):
-                runners[key] = runner_of(getattr(engine, "vllm_entrypoint", engine))
         urls = servers.wait() if servers is not None else {}
         print(f"engines up in {time.perf_counter() - began:.0f} s", flush=True)
         plain, vl, vg = engines.get("plain"), engines.get("vl"), engines.get("vg")
