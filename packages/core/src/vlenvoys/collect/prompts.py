@@ -172,8 +172,8 @@ def stream(
 ) -> None:
     """`collect` without keeping anything: ``deliver(index, values)`` as each prompt's values arrive.
 
-    ``prompts`` (checked prompts, possibly a generator) are drawn only as the
-    engine has room for them, and each prompt's values go to ``deliver`` when
+    ``prompts`` (checked prompts, possibly a generator) are drawn as the engine
+    has room for them, up to 64 ahead (their texts tokenized together), and each prompt's values go to ``deliver`` when
     they leave the engine, in the order requests finish (not prompt order), so
     neither side holds more than ``batch_size`` prompts' values at once.
     ``values`` is ``{"{value}.{layer}": [1, tokens, ...] CPU tensor}``: on the
