@@ -37,8 +37,8 @@ it; vlenvoys runs its own default (V1 on vLLM 0.32 and 0.33). The result
 names each engine's runner (``runners``). More rows, run where ``--rows``
 names them (#50): plain_v1 and plain_v1_generate (plain vLLM asked for its V1
 runner, against its default), v2_engine_plain, v2_collect and v2_trace3
-(vlenvoys' engine on V2) and v2_graph_collect and v2_graph_steered_all (the
-graph engine on V2). Earlier gates, whose JSON names no ``runners``, asked
+(vlenvoys' engine on V2) and v2_graph_collect and v2_graph_steered_all, _half
+and _none (the graph engine on V2). Earlier gates, whose JSON names no ``runners``, asked
 for V1 on both sides.
 
 Writes ``benchmarks/results/gate-<commit>-<card>.json`` (keys ``commit``,
@@ -132,6 +132,10 @@ ROWS: dict[str, Row] = {
                             "V2: the graph engine's vlenvoys.collect, layer_output at 3 blocks", default=False),
     "v2_graph_steered_all": Row("generate", "vg2.steered_all", "plain.generate",
                                 "V2: the graph engine's vlenvoys.generate, every request steered", default=False),
+    "v2_graph_steered_half": Row("generate", "vg2.steered_half", "plain.generate",
+                                 "V2: the graph engine's vlenvoys.generate, every other request steered", default=False),
+    "v2_graph_steered_none": Row("generate", "vg2.steered_none", "plain.generate",
+                                 "V2: the graph engine's vlenvoys.generate, none steered", default=False),
     "8b_every_layer_reads": Row("8b", "vg8.every_layer", "plain8.generate",
                                 "8B shape, graph engine: a trace reading layer_output at every block at every step",
                                 default=False),
@@ -581,8 +585,9 @@ def measure(args: argparse.Namespace) -> dict:
             ("generate", "plain1.generate", work.generate * work.tokens, "tokens/s",
              lambda: requests(plain1, generate, work.tokens, False)),
             *([] if vg2 is None else [
-                ("generate", "vg2.steered_all", work.generate * work.tokens, "tokens/s",
-                 lambda: vlenvoys.generate(vg2, generate, every_step, steering=steering, progress=False)),
+                ("generate", f"vg2.steered_{key}", work.generate * work.tokens, "tokens/s",
+                 lambda each=each: vlenvoys.generate(vg2, generate, every_step, steering=each, progress=False))
+                for key, each in (("all", steering), ("half", half), ("none", None))
             ]),
             ("datasets", "plain.windows", len(cut) * work.context_length, "tokens/s",
              lambda: plain_prefill(plain, cut, in_flight, detokenize=False)),
