@@ -14,7 +14,9 @@ tar -xJf core.tar.xz -C "$SITE" && tar -xJf fa3.tar.xz -C "$SITE"
 # nvidia-cutlass-dsl, quack-kernels and cuda-python (over 100 MB, not in the bundle). That warm-up serves
 # MiniMax-M3 alone: where CuTe DSL is missing it is left out, and said.
 W="$SITE/vllm/model_executor/warmup/kernel_warmup.py"
-if grep -q "minimax_m3_msa_warmup import" "$W" 2>/dev/null && ! PYTHONPATH="$SITE" python3 -c "import cutlass" 2>/dev/null; then
+# 0.32 names the same warm-up but imports CuTe DSL only inside it: there the module imports, and nothing is done.
+if grep -q "minimax_m3_msa_warmup import" "$W" 2>/dev/null && ! PYTHONPATH="$SITE" python3 -c "import cutlass" 2>/dev/null &&
+  ! PYTHONPATH="$SITE" python3 -c "import vllm.model_executor.warmup.minimax_m3_msa_warmup" 2>/dev/null; then
   python3 - "$W" <<'PY'
 import sys
 path = sys.argv[1]
