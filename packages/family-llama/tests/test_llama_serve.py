@@ -359,22 +359,26 @@ def test_serve_with_a_config_file_naming_a_model_serves_that_one(tmp_path):
     assert (args.model, args.port) == ("some/checkpoint", 8123) and not args.served_model_name
 
 
-def test_a_v2_model_runner_is_refused_by_load_and_serve_before_an_engine_starts(tmp_path, monkeypatch):
-    """#50: vLLM's V2 runner asked for by hand is named, with what to do, by load and serve alike."""
+def test_a_model_runner_against_vlenvoys_choice_is_refused_by_load_and_serve_before_an_engine_starts(tmp_path, monkeypatch):
+    """#50: VLLM_USE_V2_MODEL_RUNNER set by hand against the runner vlenvoys runs (V1 here; V2 where
+    VLENVOYS_MODEL_RUNNER=v2 asks for it) is named, with what to do, by load and serve alike."""
     from vlenvoys.engine.loading import V2_RUNNER
+    from vlenvoys.engine.processes import runner_choice
     from vlenvoys.serve.server import parsed, prepare
 
     path = str(testing.tiny_model("LlamaForCausalLM", tmp_path / "model"))
-    monkeypatch.setenv(V2_RUNNER, "1")
-    with pytest.raises(vlenvoys.UnsupportedVLLM, match=f"{V2_RUNNER}=1 asks vLLM for its V2 model runner"):
+    v2 = runner_choice() == "v2"
+    monkeypatch.setenv(V2_RUNNER, "0" if v2 else "1")
+    said = f"{V2_RUNNER}=0 asks for its V1 runner" if v2 else f"{V2_RUNNER}=1 asks vLLM for its V2 model runner"
+    with pytest.raises(vlenvoys.UnsupportedVLLM, match=said):
         vlenvoys.load(path)
-    with pytest.raises(vlenvoys.UnsupportedVLLM, match="unset it"):
+    with pytest.raises(vlenvoys.UnsupportedVLLM, match=f"unset (it|{V2_RUNNER})"):
         prepare(parsed([path]))
     monkeypatch.delenv(V2_RUNNER)
     with pytest.raises(ValueError, match="--pipeline-parallel-size 2: pipeline parallelism .* is not served"):
         prepare(parsed([path, "--pipeline-parallel-size", "2"]))  # #51 item 2: refused by name, as load does
     prepare(parsed([path]))  # chosen for the user
-    assert os.environ[V2_RUNNER] == "0"
+    assert os.environ[V2_RUNNER] == ("1" if v2 else "0")
 
 
 def test_the_openapi_document_describes_steering_and_capture(server):
