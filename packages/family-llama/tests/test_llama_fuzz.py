@@ -30,6 +30,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from nnsight.intervention.interleaver import OutOfOrderError
 from test_llama_safety import plain_generation, within
+from vlenvoys.engine.processes import runner_choice
 from vlenvoys.values.names import VALUES
 
 #: Examples per fuzz test in CI, and what ``VLENVOYS_FUZZ_EXAMPLES`` sets instead.
@@ -253,8 +254,9 @@ LAYOUTS = {
     "mlp_neurons": lambda t: [1, t, 256],
     "logits": lambda t: [1, 512],
 }
-#: Token ids as the CPU engine draws them (nnsight's ``model.samples``), one a request.
-SAMPLES = ([1, 1], torch.int32)
+#: Token ids as the engine draws them (nnsight's ``model.samples``), one a request: vLLM's V1 sampler gives int32,
+#: its V2 sampler int64.
+SAMPLES = ([1, 1], torch.int64 if runner_choice() == "v2" else torch.int32)
 
 
 def torch_says(block: dict, tokens: int) -> set[tuple[str, str]]:
