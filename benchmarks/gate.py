@@ -156,7 +156,7 @@ class Workloads:
     prefill: int = 1024  # prompts of 16-120 words, one token each
     generate: int = 256  # prompts of 16-120 words...
     # ...each generating this many tokens, greedy, ignore_eos. 128 made a run about 1 s on an H100, and the same
-    # generation moved by up to 25 % between rounds (rows-v2-5d60eab-h100.json); 256 still fits every request's cache.
+    # generation moved by up to 25 % between rounds (rows-v2-5d60eab-h100-128tokens.json); 256 still fits every request's cache.
     tokens: int = 256
     dataset_tokens: int = 1_000_000
     context_length: int = 128
