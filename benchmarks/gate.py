@@ -495,6 +495,8 @@ def measure(args: argparse.Namespace) -> dict:
         every_step = SamplingParams(temperature=0.0, max_tokens=work.tokens, ignore_eos=True, detokenize=False)
         steering = vlenvoys.Steering(steer_layer, vector)
         half = [steering if number % 2 == 0 else None for number in range(len(generate))]
+        # The generation rows' steerings, the same on the graph engine of either runner.
+        steerings = (("all", steering), ("half", half), ("none", None))
 
         def standard_reads(model):
             return [model.layers[i].layer_output for i in layers]
@@ -573,7 +575,7 @@ def measure(args: argparse.Namespace) -> dict:
             ("generate", "plain.generate", work.generate * work.tokens, "tokens/s", lambda: requests(plain, generate, work.tokens, False)),
             *[("generate", f"vg.steered_{key}", work.generate * work.tokens, "tokens/s",
                lambda each=each: vlenvoys.generate(vg, generate, every_step, steering=each, progress=False))
-              for key, each in (("all", steering), ("half", half), ("none", None))],
+              for key, each in steerings],
             ("prefill", "plain1.prefill", work.prefill, "prompts/s", lambda: requests(plain1, prefill, 1, False)),
             *([] if vl2 is None else [
                 ("prefill", "vl2.plain", work.prefill, "prompts/s", lambda: requests(vl2.vllm_entrypoint, prefill, 1, False)),
@@ -589,7 +591,7 @@ def measure(args: argparse.Namespace) -> dict:
             *([] if vg2 is None else [
                 ("generate", f"vg2.steered_{key}", work.generate * work.tokens, "tokens/s",
                  lambda each=each: vlenvoys.generate(vg2, generate, every_step, steering=each, progress=False))
-                for key, each in (("all", steering), ("half", half), ("none", None))
+                for key, each in steerings
             ]),
             ("datasets", "plain.windows", len(cut) * work.context_length, "tokens/s",
              lambda: plain_prefill(plain, cut, in_flight, detokenize=False)),
