@@ -45,7 +45,8 @@ suite)  # logs kept in /tmp and packed into one file: a call brings back only so
   export VLENVOYS_ALLOW_UNVERIFIED_VLLM=${VLENVOYS_ALLOW_UNVERIFIED_VLLM:-1}
   timeout "${SUITE_SECONDS:-540}" bash benchmarks/gpu-suite.sh /tmp/suite > /tmp/suite/summary.txt 2>&1 ||
     { pkill -f "python3 -m pytest" || true; echo "cut at ${SUITE_SECONDS:-540} s; each log's last line:";
-      for f in /tmp/suite/*.log; do echo "=== $(basename "$f"): $(tail -c 300 "$f" | tail -1)"; done; }
+      for f in /tmp/suite/*.log; do echo "=== $(basename "$f"): $(grep -c " PASSED" "$f") passed so far"
+        grep -E " (FAILED|ERROR)( |$)" "$f" | head -8; done; }
   cat /tmp/suite/summary.txt
   tar -czf "${OUT:-/tmp}/suite-logs.tgz" -C /tmp suite ;;
 *) echo "usage: $0 install|gate|suite|profile" >&2; exit 2 ;;
