@@ -1,6 +1,7 @@
 """One vLLM engine per Gemma architecture for the session, beside transformers with the same weights."""
 
 from vlenvoys_testing import conformance
+from vlenvoys.values.family import on_transformers_backend_alone
 from vlenvoys_testing.oracle import LLAMA_LAYOUT, HFLayout
 
 #: transformers' Gemma 2 / Gemma 3 names, under one block: each sublayer's
@@ -32,6 +33,8 @@ GEMMA2_CAPS = {
 }
 MODELS = {
     "GemmaForCausalLM": ("GemmaForCausalLM", {}, LLAMA_LAYOUT),
+    # vLLM 0.34 has no Gemma 1 of its own and runs it here; on 0.32 the backend is asked for by name.
+    "GemmaForCausalLM-on-transformers": ("GemmaForCausalLM", {}, LLAMA_LAYOUT, {"model_impl": "transformers"}),
     "Gemma2ForCausalLM-window8-caps": ("Gemma2ForCausalLM", GEMMA2_CAPS, GEMMA2_LAYOUT),
     "Gemma3ForCausalLM-window8-cap": (
         "Gemma3ForCausalLM",
@@ -46,6 +49,10 @@ MODELS = {
         {"tensor_parallel_size": 2},
     ),
 }
+if on_transformers_backend_alone(["GemmaForCausalLM"]):
+    # vLLM 0.34 has no Gemma 1 of its own: the subject above would run on the backend too, in this process, where
+    # the backend's wrapping of transformers' classes would reach the Gemma 2 and 3 references built after it.
+    del MODELS["GemmaForCausalLM"]
 
 subject = conformance.subject_fixture(MODELS)
 

@@ -23,16 +23,21 @@ def test_registered_with_its_version():
     assert installed.version == vlenvoys_gemma.__version__
     assert installed.family is vlenvoys_gemma.FAMILY
     assert set(installed.family.architectures) == {"GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"}
+    assert set(installed.family.transformers_backend) == {"GemmaForCausalLM"}
 
 
 def test_token_embeddings_are_the_embeddings_times_sqrt_hidden(subject):
-    """vLLM scales the embeddings outside embed_tokens; token_embeddings is the scaled stream block 0 receives."""
+    """vLLM's own Gemma scales the embeddings outside embed_tokens, transformers' embedding module (on vLLM's
+    transformers backend) inside it; token_embeddings is the scaled stream block 0 receives either way."""
     model, prompt = subject.model, subject.prompts[1]
     with model.trace(prompt, temperature=0.0):
         raw = model.embed_tokens.output.save()
         embeddings = model.token_embeddings.save()
     weight = subject.reference.get_input_embeddings().weight.detach()
-    assert close(subject, "embed_tokens (unscaled)", raw, weight[prompt])
+    if vlenvoys.on_transformers_backend(model):
+        assert close(subject, "embed_tokens (scaled inside, backend)", raw[0], weight[prompt] * math.sqrt(subject.hidden_size))
+    else:
+        assert close(subject, "embed_tokens (unscaled)", raw, weight[prompt])
     assert close(subject, "token_embeddings", embeddings[0], weight[prompt] * math.sqrt(subject.hidden_size))
 
 

@@ -23,13 +23,28 @@ declared here:
   settings, so nothing is declared for them.
 - The gated MLP's ``GeluAndMul`` is one module shared by every block (Gemma,
   Gemma 3); the neurons are read at each block's ``down_proj`` input.
+- vLLM 0.34 has no Gemma 1 of its own and runs it on its transformers
+  backend, where `vlenvoys.load` takes the declarations below
+  (``transformers_backend``): transformers' ``GemmaDecoderLayer``, whose
+  embedding module scales inside itself, so ``embed_tokens``' output is the
+  scaled stream there. ``token_embeddings`` is the same on both.
 """
 
-from vlenvoys import TIED_BACKBONE_NAMES, Architecture, Attention, Family, FusedLayer, Mlp
+from vlenvoys import (
+    TIED_BACKBONE_NAMES,
+    Architecture,
+    Attention,
+    Family,
+    FusedLayer,
+    Mlp,
+    TransformersAttention,
+    TransformersLayer,
+    TransformersMlp,
+)
 
 from .version import __version__
 
-__all__ = ["FAMILY", "Gemma2Attention", "Gemma2Layer", "Gemma2Mlp", "GemmaLayer", "__version__"]
+__all__ = ["FAMILY", "Gemma2Attention", "Gemma2Layer", "Gemma2Mlp", "GemmaLayer", "GemmaTransformersLayer", "__version__"]
 
 #: Gemma 2 ties its unembedding to the embedding module itself (no ``lm_head``
 #: child), so the embedding carries both names.
@@ -63,6 +78,13 @@ class Gemma2Mlp(Mlp):
     CONTRIBUTION = "../post_feedforward_layernorm.output"
 
 
+class GemmaTransformersLayer(TransformersLayer):
+    """transformers' ``GemmaDecoderLayer`` on vLLM's transformers backend, where vLLM 0.34 runs Gemma 1 alone."""
+
+    # The forward's `hidden_states = residual + hidden_states` after the attention (Llama's lines).
+    MID = "source.hidden_states_1.output"
+
+
 FAMILY = Family(
     name="gemma",
     vllm=">=0.32,<0.33",
@@ -75,5 +97,9 @@ FAMILY = Family(
         "Gemma3ForCausalLM": Architecture(
             layer=Gemma2Layer, attention=Gemma2Attention, mlp=Gemma2Mlp
         ),
+    },
+    # vLLM 0.34 dropped its own Gemma 1 and runs it on its transformers backend (`vlenvoys.load` chooses it).
+    transformers_backend={
+        "GemmaForCausalLM": Architecture(layer=GemmaTransformersLayer, attention=TransformersAttention, mlp=TransformersMlp)
     },
 )

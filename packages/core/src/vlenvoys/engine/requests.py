@@ -6,6 +6,7 @@ from __future__ import annotations
 import uuid
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -17,7 +18,34 @@ __all__ = ["check_engine", "checked_prompts", "salted", "shared_call_path", "tok
 CALL_PATH = ("__call__", "_call_one", "_encode_plus", "_batch_encode_plus", "encode", "tokenize", "prepare_for_tokenization")
 #: Texts of a renderer's first batch also tokenized one by one, as vLLM does: a difference ends batching there.
 CHECKED_PROMPTS = 8
-_batching: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # renderer -> whether its batches give vLLM's ids
+#: renderer -> its `_Batching`, or False where its texts go to vLLM one by one.
+_batching: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class _Batching:
+    """A renderer's settings for a completion's text, read once: they are fixed for the renderer's life."""
+
+    params: Any  # vLLM's TokenizeParams: its checks of a text, the tokenizer's arguments
+    tokenizer: Any
+    kwargs: dict
+    checked: bool = False  # a first batch gave the ids of its texts tokenized one by one
+
+
+def _batching_of(renderer: Any) -> _Batching | None:
+    found = _batching.get(renderer)
+    if found is None:
+        try:
+            params = renderer.default_cmpl_tok_params
+            tokenizer = renderer.get_tokenizer()
+            found = _Batching(params, tokenizer, params.get_encode_kwargs())
+            usable = (getattr(renderer, "mm_processor", None) is None and params.truncate_prompt_tokens is None
+                      and not getattr(params, "return_token_offsets", False)
+                      and getattr(tokenizer, "is_fast", False) and shared_call_path(tokenizer))
+        except Exception:  # noqa: BLE001 - another vLLM's renderer, or none to tokenize with: vLLM tokenizes each
+            usable = False
+        _batching[renderer] = found = found if usable else False
+    return found or None
 
 
 def shared_call_path(tokenizer: Any) -> bool:
@@ -52,35 +80,26 @@ def tokenized_together(engine: Any, prompts: list) -> list:
     vLLM's checks refuse (too long), a lone text, a multimodal model's, a
     tokenizer of its own call path, a vLLM without these settings.
     """
-    texts = [index for index, prompt in enumerate(prompts) if _text_of(prompt) is not None]
+    texts = {index: text for index, prompt in enumerate(prompts) if (text := _text_of(prompt)) is not None}
     renderer = getattr(engine, "renderer", None)
-    if len(texts) < 2 or renderer is None or _batching.get(renderer) is False:
-        return prompts
-    try:
-        params = renderer.default_cmpl_tok_params
-        tokenizer = renderer.get_tokenizer()
-        kwargs = params.get_encode_kwargs()
-        usable = (getattr(renderer, "mm_processor", None) is None and params.truncate_prompt_tokens is None
-                  and not getattr(params, "return_token_offsets", False))
-    except Exception:  # noqa: BLE001 - another vLLM's renderer, or none to tokenize with: vLLM tokenizes each
-        _batching[renderer] = False
-        return prompts
-    if not usable or not getattr(tokenizer, "is_fast", False) or not shared_call_path(tokenizer):
-        _batching[renderer] = False
+    batching = None if len(texts) < 2 or renderer is None else _batching_of(renderer)
+    if batching is None:
         return prompts
     checked = {}
-    for index in texts:
+    for index, text in texts.items():
         try:  # vLLM's checks of a text (its length in characters, lowercasing where the model asks for it)
-            checked[index] = params.apply_pre_tokenization(tokenizer, {"prompt": _text_of(prompts[index])})["prompt"]
+            checked[index] = batching.params.apply_pre_tokenization(batching.tokenizer, {"prompt": text})["prompt"]
         except Exception:  # noqa: BLE001 - vLLM refuses it by itself, in its place among the requests
             continue
     if len(checked) < 2:
         return prompts
+    tokenizer, kwargs = batching.tokenizer, batching.kwargs
     ids = tokenizer(list(checked.values()), **kwargs)["input_ids"]
-    if renderer not in _batching:
+    if not batching.checked:
         first = list(checked.values())[:CHECKED_PROMPTS]
-        _batching[renderer] = [tokenizer(text, **kwargs)["input_ids"] for text in first] == ids[: len(first)]
-        if not _batching[renderer]:
+        same = [tokenizer(text, **kwargs)["input_ids"] for text in first] == ids[: len(first)]
+        _batching[renderer] = replace(batching, checked=True) if same else False
+        if not same:
             return prompts
     tokenized = list(prompts)
     for index, token_ids in zip(checked, ids, strict=True):

@@ -300,27 +300,70 @@ def config_of(model: str | os.PathLike) -> Any:
     return AutoConfig.from_pretrained(str(model))
 
 
+def on_transformers_backend_alone(architectures: Iterable[str]) -> bool:
+    """Whether vLLM runs ``architectures`` on its transformers backend alone, having no module of its own for them.
+
+    Read from vLLM's model registry: OLMo 2 and GPT-NeoX on vLLM 0.32, and
+    Gemma 1 as well from 0.34, which dropped its own. False where the
+    registry names none of them (vLLM's own error then says so).
+    """
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    registered = [ModelRegistry.models.get(name) for name in architectures]
+    registered = [model for model in registered if model is not None]
+    return bool(registered) and all(
+        getattr(model, "module_name", "").endswith(".transformers") for model in registered
+    )
+
+
 def resolve_checkpoint(model: str | os.PathLike, engine_kwargs: dict) -> tuple[InstalledFamily, str, Architecture]:
     """The family and declarations that serve checkpoint ``model`` with ``engine_kwargs``.
 
-    An architecture vLLM has no implementation of (GPT-NeoX on vLLM 0.32),
-    which a family declares on vLLM's transformers backend alone, runs
-    there: ``model_impl="transformers"`` is set in ``engine_kwargs``, as
-    vLLM itself would fall back to it. Declarations `ByConfig` are chosen by
-    the checkpoint's config.
+    An architecture vLLM runs on its transformers backend alone (GPT-NeoX on
+    vLLM 0.32, Gemma 1 on 0.34: `on_transformers_backend_alone`), or one no
+    family declares for vLLM's own module, is served by the family's
+    declarations for that backend: ``model_impl="transformers"`` is set in
+    ``engine_kwargs``, as vLLM itself would fall back to it. Declarations
+    `ByConfig` are chosen by the checkpoint's config.
 
     Raises:
-        UnknownArchitecture: no installed family declares the architecture
-            (with the message of vLLM's own implementation).
+        UnknownArchitecture: no installed family declares the architecture,
+            or vLLM runs it on its transformers backend alone and the family
+            declares it for vLLM's own module only.
         UnsupportedVLLM: the installed vLLM is outside the family's verified range.
     """
     architectures, config = architectures_of(model), config_of(model)
     impl = engine_kwargs.get("model_impl")
+    if impl in (None, "auto") and on_transformers_backend_alone(architectures):
+        try:
+            found = resolve(architectures, backend=True, config=config)
+        except UnknownArchitecture:
+            # Declared for vLLM's own module only (else no family declares it, and that is raised): said so,
+            # rather than envoys that fit no module of the engine.
+            installed, name, _ = resolve(architectures, config=config)
+            import vllm
+
+            raise UnknownArchitecture(
+                f"vLLM {vllm.__version__} runs {name} on its transformers backend alone (it has no module of its own "
+                f"for it), and {installed.distribution} {installed.version} declares {name} for vLLM's own module only: "
+                f"install a {installed.distribution} that declares it on the backend, or a vLLM verified for it "
+                f"({installed.family.vllm or 'any'})"
+            ) from None
+        engine_kwargs["model_impl"] = "transformers"
+        return found
     try:
         return resolve(architectures, backend=impl == "transformers", config=config)
     except UnknownArchitecture:
         if impl not in (None, "auto"):
             raise
+        try:
+            found = resolve(architectures, backend=True, config=config)
+        except UnknownArchitecture:
+            pass
+        else:
+            engine_kwargs["model_impl"] = "transformers"
+            return found
+        raise
         try:
             found = resolve(architectures, backend=True, config=config)
         except UnknownArchitecture:
