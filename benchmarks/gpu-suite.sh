@@ -29,7 +29,8 @@ $T $P $LT/test_llama_oracle.py -m "not transformers_backend" -k "${REAL}(LlamaFo
 $T $P $LT/test_llama_oracle.py -m "not transformers_backend" -k "${REAL}${MOE}(Qwen2ForCausalLM or Moe or Mixtral or Granite)" > "$L/llama2.log" 2>&1 &
 $T $P $LT/test_llama_api.py $LT/test_llama_safety.py $LT/test_llama_collect.py $LT/test_llama_datasets.py $LT/test_llama_graphs.py -m "not transformers_backend" -k "${REAL}not command and not stopped" > "$L/llama3.log" 2>&1 &
 $T $P $LT -m transformers_backend > "$L/backend.log" 2>&1 &
-( $T $P packages/family-gpt2/tests > "$L/gpt2.log" 2>&1; $T $P packages/family-gemma/tests > "$L/gemma.log" 2>&1 ) &
+( $T $P packages/family-gpt2/tests > "$L/gpt2.log" 2>&1; $T $P packages/family-gemma/tests -m "not transformers_backend" > "$L/gemma.log" 2>&1
+  $T $P packages/family-gemma/tests -m transformers_backend > "$L/gemma-backend.log" 2>&1 ) &
 ( $T $P packages/family-exaone/tests -m "not transformers_backend" > "$L/exaone.log" 2>&1; $T $P packages/family-exaone/tests -m transformers_backend > "$L/exaone-backend.log" 2>&1 ) &
 # GPT-J on vLLM's own model, then GPT-NeoX on the transformers backend (a process of its own).
 ( $T $P packages/family-neox/tests -m "not transformers_backend" > "$L/neox.log" 2>&1; $T $P packages/family-neox/tests -m transformers_backend > "$L/neox-backend.log" 2>&1 ) &

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 from typer.testing import CliRunner
 
@@ -196,27 +198,36 @@ def test_cli_names_an_unverified_vllm_in_one_line(future_family, tmp_path):
 
 
 def test_vllms_registry_tells_the_architectures_it_runs_on_its_transformers_backend_alone():
-    """#50: vLLM 0.32 runs OLMo 2 and GPT-NeoX there alone, Gemma 1 and Llama in modules of its own (0.34 runs
-    Gemma 1 on the backend alone); an architecture vLLM does not know is not said to be on the backend."""
+    """#50: vLLM 0.32 runs OLMo 2 and GPT-NeoX there alone and Llama in a module of its own, Gemma 1 too until 0.34
+    dropped it; as vLLM does, the first registered of a config's architectures decides; an architecture vLLM does
+    not know is not said to be on the backend."""
+    import vllm
+    from packaging.version import Version
+
     from vlenvoys.values.family import on_transformers_backend_alone
 
     assert on_transformers_backend_alone(["Olmo2ForCausalLM"]) and on_transformers_backend_alone(["GPTNeoXForCausalLM"])
-    assert not on_transformers_backend_alone(["GemmaForCausalLM"]) and not on_transformers_backend_alone(["LlamaForCausalLM"])
+    assert not on_transformers_backend_alone(["LlamaForCausalLM"])
+    assert on_transformers_backend_alone(["GemmaForCausalLM"]) is (Version(vllm.__version__) >= Version("0.34"))
+    assert on_transformers_backend_alone(["NoSuchForCausalLM", "Olmo2ForCausalLM", "LlamaForCausalLM"])
+    assert not on_transformers_backend_alone(["LlamaForCausalLM", "Olmo2ForCausalLM"])
     assert not on_transformers_backend_alone(["NoSuchForCausalLM"]) and not on_transformers_backend_alone([])
 
 
 @pytest.fixture
 def olmo2_family(tmp_path, monkeypatch):
     """Install, by entry point, a family that declares OLMo 2 (run by vLLM 0.32 on its transformers backend alone)
-    for vLLM's own module, and on the backend where asked: as vlenvoys-gemma's Gemma 1 stands on vLLM 0.34."""
+    for vLLM's own module, and on the backend where asked, as vlenvoys-gemma's Gemma 1 stands on vLLM 0.34; the only
+    family asked (another installed one, vlenvoys-exaone, declares OLMo 2 on the backend itself)."""
     from vlenvoys.values import family
+
+    discover = family._discover
 
     def install(on_backend: bool) -> None:
         backend = "{'Olmo2ForCausalLM': Architecture(TransformersLayer)}" if on_backend else "{}"
         (tmp_path / "vlenvoys_olmo.py").write_text(
             "from vlenvoys import Architecture, Family, FusedLayer, TransformersLayer\n"
-            # Named to sort first: families are asked in order of name, and vlenvoys-exaone may be installed.
-            "FAMILY = Family(name='a-olmo', architectures={'Olmo2ForCausalLM': Architecture(FusedLayer)}, "
+            "FAMILY = Family(name='olmo', architectures={'Olmo2ForCausalLM': Architecture(FusedLayer)}, "
             f"transformers_backend={backend})\n"
         )
         info = tmp_path / "vlenvoys_olmo-0.1.0.dist-info"
@@ -224,30 +235,34 @@ def olmo2_family(tmp_path, monkeypatch):
         (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vlenvoys-olmo\nVersion: 0.1.0\n")
         (info / "entry_points.txt").write_text(f"[{family.GROUP}]\nolmo = vlenvoys_olmo:FAMILY\n")
         monkeypatch.syspath_prepend(str(tmp_path))
-        monkeypatch.delitem(__import__("sys").modules, "vlenvoys_olmo", raising=False)
-        family._discover.cache_clear()
+        monkeypatch.delitem(sys.modules, "vlenvoys_olmo", raising=False)  # another case's declarations
+        discover.cache_clear()
+        only = tuple(installed for installed in discover() if installed.name == "olmo")
+        assert len(only) == 1
+        monkeypatch.setattr(family, "_discover", lambda: only)
 
     try:
         yield install
     finally:
-        family._discover.cache_clear()
+        discover.cache_clear()
 
 
 @pytest.mark.parametrize("on_backend", [True, False])
-def test_an_architecture_vllm_runs_on_its_backend_alone_gets_the_backend_declarations(olmo2_family, tmp_path, on_backend):
-    """#50: the declarations for vLLM's own module would fit no module of the engine: the backend's are chosen, or,
-    where the family has none, the load is refused by name before any engine starts."""
+@pytest.mark.parametrize("model_impl", [None, "auto", "vllm"])
+def test_an_architecture_vllm_runs_on_its_backend_alone_gets_the_backend_declarations(olmo2_family, tmp_path, on_backend,
+                                                                                      model_impl):
+    """#50: the declarations for vLLM's own module would fit no module of the engine: the backend's are chosen (and
+    asked of vLLM where the user named no implementation), or, where the family has none, the load is refused by
+    name before any engine starts."""
     olmo2_family(on_backend)
-    if not on_backend and any("Olmo2ForCausalLM" in i.family.transformers_backend for i in vlenvoys.families()):
-        pytest.skip("an installed family serves OLMo 2 on the backend (the core session installs none)")
     path = testing.tiny_model("Olmo2ForCausalLM", tmp_path / "olmo2")
-    engine_kwargs = {}
+    engine_kwargs = {} if model_impl is None else {"model_impl": model_impl}
     if on_backend:
         installed, name, architecture = resolve_checkpoint(path, engine_kwargs)
-        assert (installed.name, name) == ("a-olmo", "Olmo2ForCausalLM")
-        assert architecture.layer is vlenvoys.TransformersLayer and engine_kwargs == {"model_impl": "transformers"}
+        assert (installed.name, name) == ("olmo", "Olmo2ForCausalLM")
+        assert architecture.layer is vlenvoys.TransformersLayer
+        assert engine_kwargs == {"model_impl": "vllm" if model_impl == "vllm" else "transformers"}
     else:
         with pytest.raises(vlenvoys.UnknownArchitecture, match="on its transformers backend alone.*vlenvoys-olmo 0.1.0 "
                            "declares Olmo2ForCausalLM for vLLM's own module only"):
             resolve_checkpoint(path, engine_kwargs)
-        assert engine_kwargs == {}

@@ -300,20 +300,28 @@ def config_of(model: str | os.PathLike) -> Any:
     return AutoConfig.from_pretrained(str(model))
 
 
+#: The module of vLLM's transformers backend, where its registry sends the architectures it has no module of its own for.
+BACKEND_MODULE = "vllm.model_executor.models.transformers"
+
+
 def on_transformers_backend_alone(architectures: Iterable[str]) -> bool:
     """Whether vLLM runs ``architectures`` on its transformers backend alone, having no module of its own for them.
 
-    Read from vLLM's model registry: OLMo 2 and GPT-NeoX on vLLM 0.32, and
-    Gemma 1 as well from 0.34, which dropped its own. False where the
-    registry names none of them (vLLM's own error then says so).
+    Read from vLLM's model registry, as vLLM reads it: the first of
+    ``architectures`` registered there (vLLM's plugins loaded first) is the
+    one it runs. True for OLMo 2 and GPT-NeoX on vLLM 0.32, and for Gemma 1
+    from 0.34, which dropped its own. False where the registry names none of
+    them (vLLM's own error then says so).
     """
     from vllm.model_executor.models.registry import ModelRegistry
+    from vllm.plugins import load_general_plugins
 
-    registered = [ModelRegistry.models.get(name) for name in architectures]
-    registered = [model for model in registered if model is not None]
-    return bool(registered) and all(
-        getattr(model, "module_name", "").endswith(".transformers") for model in registered
-    )
+    load_general_plugins()  # a plugin may register a module of its own (vLLM loads them later, as the engine starts)
+    registered = next((ModelRegistry.models[name] for name in architectures if name in ModelRegistry.models), None)
+    if registered is None:
+        return False
+    module = getattr(registered, "module_name", None) or getattr(getattr(registered, "model_cls", None), "__module__", "")
+    return module == BACKEND_MODULE
 
 
 def resolve_checkpoint(model: str | os.PathLike, engine_kwargs: dict) -> tuple[InstalledFamily, str, Architecture]:
@@ -322,7 +330,9 @@ def resolve_checkpoint(model: str | os.PathLike, engine_kwargs: dict) -> tuple[I
     An architecture vLLM runs on its transformers backend alone (GPT-NeoX on
     vLLM 0.32, Gemma 1 on 0.34: `on_transformers_backend_alone`), or one no
     family declares for vLLM's own module, is served by the family's
-    declarations for that backend: ``model_impl="transformers"`` is set in
+    declarations for that backend, whatever ``model_impl`` other than
+    ``"transformers"`` names (vLLM then runs the backend's module anyway):
+    unset or ``"auto"``, ``model_impl="transformers"`` is set in
     ``engine_kwargs``, as vLLM itself would fall back to it. Declarations
     `ByConfig` are chosen by the checkpoint's config.
 
@@ -334,7 +344,7 @@ def resolve_checkpoint(model: str | os.PathLike, engine_kwargs: dict) -> tuple[I
     """
     architectures, config = architectures_of(model), config_of(model)
     impl = engine_kwargs.get("model_impl")
-    if impl in (None, "auto") and on_transformers_backend_alone(architectures):
+    if impl != "transformers" and on_transformers_backend_alone(architectures):
         try:
             found = resolve(architectures, backend=True, config=config)
         except UnknownArchitecture:
@@ -349,21 +359,14 @@ def resolve_checkpoint(model: str | os.PathLike, engine_kwargs: dict) -> tuple[I
                 f"install a {installed.distribution} that declares it on the backend, or a vLLM verified for it "
                 f"({installed.family.vllm or 'any'})"
             ) from None
-        engine_kwargs["model_impl"] = "transformers"
+        if impl in (None, "auto"):
+            engine_kwargs["model_impl"] = "transformers"
         return found
     try:
         return resolve(architectures, backend=impl == "transformers", config=config)
     except UnknownArchitecture:
         if impl not in (None, "auto"):
             raise
-        try:
-            found = resolve(architectures, backend=True, config=config)
-        except UnknownArchitecture:
-            pass
-        else:
-            engine_kwargs["model_impl"] = "transformers"
-            return found
-        raise
         try:
             found = resolve(architectures, backend=True, config=config)
         except UnknownArchitecture:
