@@ -10,10 +10,9 @@
 # on one GPU. Measured on an H200: about 4 minutes for the groups, 2 for the CLI.
 set -u
 L=${1:?a folder for the logs}; mkdir -p "$L"
-export PYTHONPATH=${PYTHONPATH:-/tmp/site} VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_V2_MODEL_RUNNER=0
+export PYTHONPATH=${PYTHONPATH:-/tmp/site} VLLM_USE_FLASHINFER_SAMPLER=0
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
-# A vLLM without its V1 runner (0.34) runs V2 alone: asking it for V1 would be refused.
-[ -e /tmp/site/vllm/v1/worker/gpu_model_runner.py ] || [ ! -d /tmp/site/vllm ] || unset VLLM_USE_V2_MODEL_RUNNER
+# VLLM_USE_V2_MODEL_RUNNER is left to vlenvoys.load, which chooses the runner (V2 on CUDA).
 # -v: a test's name and outcome as it ends, so a log cut by a time limit still names what failed.
 P="python3 -m pytest -v -p no:cacheprovider -o addopts=-ra --timeout 300"
 LT=packages/family-llama/tests

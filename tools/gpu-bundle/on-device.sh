@@ -14,10 +14,9 @@
 # carried): `pip wheel --no-deps -w .dev/proj packages/core packages/testing packages/family-*` and
 # `git rev-parse --short HEAD > .dev/commit`. With the machine still warm, `install` again reinstalls only the wheels.
 set -euo pipefail
-export PYTHONPATH=/tmp/site:/tmp/extra VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_V2_MODEL_RUNNER=0 HF_HUB_OFFLINE=1 \
+export PYTHONPATH=/tmp/site:/tmp/extra VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 \
   TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 PATH=/tmp/extra/bin:$PATH
-# A vLLM without its V1 runner (0.34) runs V2 alone: asking it for V1 would be refused.
-[ -e /tmp/site/vllm/v1/worker/gpu_model_runner.py ] || [ ! -d /tmp/site/vllm ] || unset VLLM_USE_V2_MODEL_RUNNER
+# VLLM_USE_V2_MODEL_RUNNER is left to vlenvoys.load, which chooses the runner (V2 on CUDA).
 case "${1:-}" in
 install)
   if [ ! -d /tmp/site/vllm ]; then

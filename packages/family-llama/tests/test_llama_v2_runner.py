@@ -105,10 +105,10 @@ def test_passes_under_v2(v2_run, file, test):
     assert outcome == "passed", f"{file}::{test} under the V2 runner: {outcome}\n{message}"
 
 
-def test_v1_stays_the_default(monkeypatch):
-    """Without the opt-in nothing changes where vLLM has its V1 runner: V1 is asked of vLLM and vlenvoys' V1 worker
-    runs it (where it has none, V2 and the V2 worker); with it, V2 and the V2 worker; a contradiction or an unknown
-    choice is refused by name."""
+def test_the_default_runner_and_the_choice(monkeypatch):
+    """Unset, V1 and vlenvoys' V1 worker on the CPU engine where vLLM has its V1 runner, V2 and the V2 worker on a CUDA
+    device (vLLM's own default there) and on a vLLM without V1; with VLENVOYS_MODEL_RUNNER=v2, V2 and the V2 worker;
+    a contradiction or an unknown choice is refused by name."""
     from vlenvoys.engine.loading import V2_RUNNER, model_runner
     from vlenvoys.engine.processes import RUNNER_CHOICE, has_v1_runner, worker_class
     from vlenvoys.errors import UnsupportedVLLM
@@ -117,7 +117,8 @@ def test_v1_stays_the_default(monkeypatch):
     monkeypatch.delenv(RUNNER_CHOICE, raising=False)
     monkeypatch.delenv(V2_RUNNER, raising=False)
     model_runner()
-    default = ("0", f"vlenvoys.worker.{engine}") if has_v1_runner() else ("1", f"vlenvoys.worker.v2.{engine}")
+    on_v1 = has_v1_runner() and not torch.cuda.is_available()  # V2 on CUDA, vLLM's own default there
+    default = ("0", f"vlenvoys.worker.{engine}") if on_v1 else ("1", f"vlenvoys.worker.v2.{engine}")
     assert (os.environ[V2_RUNNER], worker_class()) == default
     monkeypatch.setenv(RUNNER_CHOICE, "v2")
     monkeypatch.delenv(V2_RUNNER)

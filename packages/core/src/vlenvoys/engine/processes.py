@@ -37,7 +37,9 @@ def has_v1_runner() -> bool:
 
 def runner_choice() -> str:
     """The model runner this process's engines run: ``"v1"`` or ``"v2"``, as ``VLENVOYS_MODEL_RUNNER`` says;
-    unset, ``"v1"`` where vLLM still has its V1 runner, else ``"v2"``.
+    unset, ``"v2"`` on a CUDA device (vLLM's own default there, which generates faster:
+    benchmarks/results/rows-v2-5d60eab-h100.json) and on a vLLM without V1 (0.34), ``"v1"`` elsewhere (the
+    CPU engine's V2 needs triton-cpu).
 
     Raises:
         ValueError: ``VLENVOYS_MODEL_RUNNER`` is neither ``v1`` nor ``v2``.
@@ -45,7 +47,13 @@ def runner_choice() -> str:
     chosen = os.environ.get(RUNNER_CHOICE, "").strip().lower()
     if chosen not in ("", "v1", "v2"):
         raise ValueError(f"{RUNNER_CHOICE}={chosen!r}: set it to v2 (vLLM's V2 model runner) or v1, or unset it")
-    return chosen or ("v1" if has_v1_runner() else "v2")
+    if chosen:
+        return chosen
+    if not has_v1_runner():
+        return "v2"
+    from vllm.platforms import current_platform
+
+    return "v2" if current_platform.is_cuda() else "v1"
 
 
 def worker_class() -> str:
