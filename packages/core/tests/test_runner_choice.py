@@ -14,9 +14,15 @@ from vlenvoys.errors import UnsupportedVLLM
 
 
 def test_v1_where_vllm_has_it(monkeypatch):
+    """Unset, V1 on the CPU engine and V2 on CUDA (vLLM's own default there); asked for, V1 wherever vLLM has it."""
+    from vllm.platforms import current_platform
+    from vlenvoys.wire.requests import SITED_GRAPHS
+
     monkeypatch.delenv(RUNNER_CHOICE, raising=False)
     monkeypatch.delenv(V2_RUNNER, raising=False)
-    assert has_v1_runner() and runner_choice() == "v1"
+    monkeypatch.delenv(SITED_GRAPHS, raising=False)
+    assert has_v1_runner() and runner_choice() == ("v2" if current_platform.is_cuda() else "v1")
+    monkeypatch.setenv(RUNNER_CHOICE, "v1")
     model_runner()
     assert __import__("os").environ[V2_RUNNER] == "0"
     monkeypatch.setenv(V2_RUNNER, "1")

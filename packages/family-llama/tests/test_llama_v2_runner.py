@@ -112,8 +112,10 @@ def test_the_default_runner_and_the_choice(monkeypatch):
     from vlenvoys.engine.loading import V2_RUNNER, model_runner
     from vlenvoys.engine.processes import RUNNER_CHOICE, has_v1_runner, worker_class
     from vlenvoys.errors import UnsupportedVLLM
+    from vlenvoys.wire.requests import SITED_GRAPHS
 
     engine = "gpu.GPUWorker" if torch.cuda.is_available() else "cpu.CPUWorker"
+    monkeypatch.delenv(SITED_GRAPHS, raising=False)  # which would choose V1 (test_sited_graphs_choose_v1_...)
     monkeypatch.delenv(RUNNER_CHOICE, raising=False)
     monkeypatch.delenv(V2_RUNNER, raising=False)
     model_runner()
@@ -136,6 +138,26 @@ def test_the_default_runner_and_the_choice(monkeypatch):
     monkeypatch.setenv(RUNNER_CHOICE, "v3")
     with pytest.raises(ValueError, match="VLENVOYS_MODEL_RUNNER='v3'"):
         worker_class()
+
+
+def test_sited_graphs_choose_v1_and_are_refused_on_v2(monkeypatch, tmp_path):
+    """Sited graphs (``VLENVOYS_SITED_GRAPHS=1``) are captured through V1's seams: unset, the choice is V1 where vLLM
+    has it; with V2 asked for (or a vLLM without V1), `load` refuses an engine with sites by name before it starts."""
+    import vlenvoys
+    from vlenvoys.engine.processes import RUNNER_CHOICE, has_v1_runner, runner_choice
+    from vlenvoys.wire.requests import SITED_GRAPHS
+    from vlenvoys_testing import tiny_model
+
+    monkeypatch.setenv(SITED_GRAPHS, "1")
+    monkeypatch.delenv(RUNNER_CHOICE, raising=False)
+    assert runner_choice() == ("v1" if has_v1_runner() else "v2")
+    monkeypatch.setenv(SITED_GRAPHS, "0")  # off: the platform's default again
+    assert runner_choice() == ("v2" if torch.cuda.is_available() or not has_v1_runner() else "v1")
+    monkeypatch.setenv(SITED_GRAPHS, "1")
+    monkeypatch.setenv(RUNNER_CHOICE, "v2")
+    path = tiny_model("LlamaForCausalLM", tmp_path)
+    with pytest.raises(ValueError, match="sited graphs are captured through vLLM's V1 model runner"):
+        vlenvoys.load(str(path), cuda_graphs=True, sites={"layer_output": "all"})
 
 
 # -- run in the V2 runner's own pytest process ------------------------------------------------------------

@@ -12,7 +12,7 @@ from typing import Any
 from ..errors import UnsupportedVLLM
 from ..values.family import config_of, resolve_checkpoint
 from ..weights import smollm2_path
-from ..wire.requests import SITES_KEY
+from ..wire.requests import SITED_GRAPHS, SITES_KEY, sited_graphs_asked
 from .logs import vllm_logging
 from .model import StandardizedVLLM
 from .processes import RUNNER_CHOICE, has_v1_runner, runner_choice
@@ -84,12 +84,14 @@ def load(
     Raises:
         UnknownArchitecture: no installed family declares the model's architecture.
         UnsupportedVLLM: the installed vLLM is outside the family's verified
-            range (``VLENVOYS_ALLOW_UNVERIFIED_VLLM=1`` warns instead), or its
-            V2 model runner is asked for or is its only one (`model_runner`).
+            range (``VLENVOYS_ALLOW_UNVERIFIED_VLLM=1`` warns instead), or the
+            model runner chosen cannot run here (`model_runner`).
         ValueError: ``sites`` without ``cuda_graphs=True``, or naming no standard
             value (`vlenvoys.engine.sites.declared`); ``pipeline_parallel_size`` above 1; ``cuda_graphs=True`` with ``enforce_eager``, or with a
             compilation mode other than ``NONE`` (torch.compile would trace
-            away the Python hooks that serve the values); nnsight's ``taps=``.
+            away the Python hooks that serve the values); nnsight's ``taps=``;
+            ``sites`` with sited graphs asked for (``VLENVOYS_SITED_GRAPHS=1``)
+            on vLLM's V2 model runner, which they are not captured on.
     """
     if engine_kwargs.get("taps"):
         # Measured on an H200 (nnsight 0.8.1): under taps= a 6-step generation's trace recorded 1 row,
@@ -116,6 +118,12 @@ def load(
         extra = dict(engine_kwargs.get("additional_config") or {})
         extra[SITES_KEY] = {name: sorted(blocks) for name, blocks in declared_sites.items()}
         engine_kwargs["additional_config"] = extra
+    if declared_sites is not None and sited_graphs_asked() and runner_choice() == "v2":
+        raise ValueError(
+            f"{SITED_GRAPHS}=1: sited graphs are captured through vLLM's V1 model runner, and this engine would run "
+            f"its V2 runner ({RUNNER_CHOICE}=v2, or a vLLM without V1): unset {SITED_GRAPHS} (traced steps then run "
+            f"eagerly), or unset {RUNNER_CHOICE} on a vLLM that has V1 (0.32, 0.33)"
+        )
     model_runner()
     engine_defaults(model, engine_kwargs)
     # On, as on stock vLLM: plain requests share cached prefixes; traced, collected and steered
@@ -155,10 +163,10 @@ def model_runner() -> None:
     vLLM reads its choice from ``VLLM_USE_V2_MODEL_RUNNER`` in each of its
     processes, which inherit it from this one (``vlenvoys serve`` starts vLLM's
     server without nnsight's client, so this is where its choice is made too).
-    vlenvoys' own choice (`vlenvoys.engine.processes.runner_choice`) is V1
-    where vLLM has it (0.32, 0.33) and V2 where it has no other (0.34), or
-    what ``VLENVOYS_MODEL_RUNNER`` says: ``VLLM_USE_V2_MODEL_RUNNER`` is set
-    to match, and a value that contradicts it is refused.
+    vlenvoys' own choice (`vlenvoys.engine.processes.runner_choice`: V2 on
+    CUDA and where vLLM has no other, V1 on the CPU engine and for sited
+    graphs, or what ``VLENVOYS_MODEL_RUNNER`` says): ``VLLM_USE_V2_MODEL_RUNNER``
+    is set to match, and a value that contradicts it is refused.
 
     Raises:
         UnsupportedVLLM: ``VLLM_USE_V2_MODEL_RUNNER`` contradicts the choice,

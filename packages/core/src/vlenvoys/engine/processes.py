@@ -14,6 +14,7 @@ from typing import Any
 import psutil
 from nnsight.modeling.vllm import VLLM
 
+from ..wire.requests import sited_graphs_asked
 from ..wire.shm import sweep
 from .handover import SAVES_MAPS
 
@@ -22,8 +23,7 @@ __all__ = [
     "has_v1_runner", "runner_choice", "shutdown", "spawn_on_a_gpu", "worker_class",
 ]
 
-#: The environment variable that chooses vLLM's model runner: ``v1`` or ``v2`` (#50). Unset, vlenvoys runs vLLM's
-#: V1 runner where vLLM has one (0.32 and 0.33) and its V2 runner where it has no other (0.34 and later).
+#: The environment variable that chooses vLLM's model runner: ``v1`` or ``v2`` (#50). Unset, `runner_choice` decides.
 RUNNER_CHOICE = "VLENVOYS_MODEL_RUNNER"
 
 
@@ -37,9 +37,10 @@ def has_v1_runner() -> bool:
 
 def runner_choice() -> str:
     """The model runner this process's engines run: ``"v1"`` or ``"v2"``, as ``VLENVOYS_MODEL_RUNNER`` says;
-    unset, ``"v2"`` on a CUDA device (vLLM's own default there, which generates faster:
-    benchmarks/results/rows-v2-5d60eab-h100.json) and on a vLLM without V1 (0.34), ``"v1"`` elsewhere (the
-    CPU engine's V2 needs triton-cpu).
+    unset, ``"v2"`` on a vLLM without V1 (0.34) and on a CUDA device (vLLM's own default there, which generates
+    faster: benchmarks/results/rows-v2-5d60eab-h100.json), unless ``VLENVOYS_SITED_GRAPHS`` asks for sited graphs,
+    which are captured through V1's seams alone (`vlenvoys.worker.sited`); ``"v1"`` elsewhere (the CPU engine's V2
+    needs triton-cpu).
 
     Raises:
         ValueError: ``VLENVOYS_MODEL_RUNNER`` is neither ``v1`` nor ``v2``.
@@ -53,7 +54,7 @@ def runner_choice() -> str:
         return "v2"
     from vllm.platforms import current_platform
 
-    return "v2" if current_platform.is_cuda() else "v1"
+    return "v2" if current_platform.is_cuda() and not sited_graphs_asked() else "v1"
 
 
 def worker_class() -> str:

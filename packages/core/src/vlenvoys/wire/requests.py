@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 __all__ = [
-    "COLLECT_GENERATED_KEY", "COLLECT_ID_KEY", "COLLECT_KEY", "EAGER_KEY", "PRIVATE", "SITES_KEY", "STEER_KEY",
-    "carries_nnsight_work",
+    "COLLECT_GENERATED_KEY", "COLLECT_ID_KEY", "COLLECT_KEY", "EAGER_KEY", "PRIVATE", "SITED_GRAPHS", "SITES_KEY",
+    "STEER_KEY", "carries_nnsight_work", "sited_graphs_asked",
 ]
 
 #: ``SamplingParams.extra_args`` key whose value names the collector that reads the request.
@@ -22,6 +23,9 @@ STEER_KEY = "vlenvoys_steer"
 #: vLLM's ``additional_config`` key (an engine's, not a request's): a graph engine's declared sites, {value: blocks},
 #: for the workers' sited graphs (`vlenvoys.worker.sited`).
 SITES_KEY = "vlenvoys_sites"
+#: The environment variable that turns sited graphs on (`vlenvoys.worker.sited`): read by the client, which picks
+#: the model runner they are captured on, and by the engine's processes, which inherit it.
+SITED_GRAPHS = "VLENVOYS_SITED_GRAPHS"
 #: ``SamplingParams.extra_args`` key: the request's block waits where a sited graph has no break (``input_ids``,
 #: ``skip_layer``, ``tracer.cache()``), so its steps run eagerly (`vlenvoys.worker.sited`).
 EAGER_KEY = "vlenvoys_eager"
@@ -33,3 +37,8 @@ def carries_nnsight_work(params: Any) -> bool:
     """Whether a request with these sampling params carries a block or names edits (its workers may hold saves)."""
     extra = getattr(params, "extra_args", None) or {}
     return "nnsight_mediator" in extra or "nnsight_edits" in extra
+
+
+def sited_graphs_asked() -> bool:
+    """Whether this process's environment turns sited graphs on (``VLENVOYS_SITED_GRAPHS`` set, and not to 0)."""
+    return os.environ.get(SITED_GRAPHS, "").strip() not in ("", "0")

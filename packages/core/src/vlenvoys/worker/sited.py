@@ -31,7 +31,6 @@ the replay (`SitedGraphs.__call__`).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -40,12 +39,12 @@ import torch
 from ..values.layouts import Located, unavailable_reason
 from ..values.names import OWNERS
 from ..values.reads import located
-from ..wire.requests import SITES_KEY
+from ..wire.requests import SITED_GRAPHS, SITES_KEY, sited_graphs_asked
 
 __all__ = ["OPT_IN", "install", "site_locations"]
 
 #: The engine's environment variable that turns sited graphs on (off by default until the gate has measured them).
-OPT_IN = "VLENVOYS_SITED_GRAPHS"
+OPT_IN = SITED_GRAPHS
 
 
 def site_locations(model: Any, sites: Mapping[str, Any]) -> frozenset[str] | None:
@@ -202,7 +201,7 @@ def install(runner: Any, model: Any) -> SitedGraphs | None:
     is wrapped in vLLM's FULL graphs; None otherwise (traced steps stay eager). The interleaver's class is swapped
     for one that records breaks at the sites while they are captured."""
     sites = (runner.vllm_config.additional_config or {}).get(SITES_KEY)
-    if not sites or os.environ.get(OPT_IN, "") in ("", "0"):
+    if not sites or not sited_graphs_asked():
         return None
     from vllm.compilation.cuda_graph import CUDAGraphWrapper
 

@@ -45,7 +45,7 @@ from ..collector import spans_of_rows  # noqa: E402
 from ..steerer import plan_step  # noqa: E402
 from ..tracing import end_preempted_blocks  # noqa: E402
 
-__all__ = ["NNsightV2Runner", "V2Steps", "V2WorkerCalls", "end_resumed_blocks"]
+__all__ = ["NNsightV2Runner", "V2Steps", "V2WorkerCalls", "end_resumed_blocks", "runs_a_block"]
 
 
 class NNsightV2Runner:
@@ -204,6 +204,23 @@ def _serving(sampler_class: type) -> type:
 
     Serving.__name__ = Serving.__qualname__ = f"Serving{sampler_class.__name__}"
     return Serving
+
+
+def runs_a_block(requests: Any, scheduled: Any) -> bool:
+    """Whether nnsight's ``Requests.scope`` will run a block on a step of the ``scheduled`` request ids: a traced or
+    registered worker of one of them not yet started, still running, holding open caches, or erred (the workers
+    `scope` keeps). Asked before the step's inputs are built, where the runner picks a CUDA graph or none."""
+    if not requests.requests:
+        return False
+    for request_id in scheduled:
+        tracked = requests.requests.get(request_id)
+        if tracked is None:
+            continue
+        for mediator in tracked.workers():
+            done = mediator.worker is not None and not mediator.alive
+            if not done or mediator.caches or mediator.exception is not None:
+                return True
+    return False
 
 
 def end_resumed_blocks(requests: Any, resumed: list) -> None:
