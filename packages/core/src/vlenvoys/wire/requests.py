@@ -23,8 +23,9 @@ STEER_KEY = "vlenvoys_steer"
 #: vLLM's ``additional_config`` key (an engine's, not a request's): a graph engine's declared sites, {value: blocks},
 #: for the workers' sited graphs (`vlenvoys.worker.sited`).
 SITES_KEY = "vlenvoys_sites"
-#: The environment variable that turns sited graphs on (`vlenvoys.worker.sited`): read by the client, which picks
-#: the model runner they are captured on, and by the engine's processes, which inherit it.
+#: The environment variable that turns sited graphs on (`vlenvoys.worker.sited`; off by default until the gate has
+#: measured them): read by the client, which picks the model runner they are captured on, and by the engine's
+#: processes, which inherit it.
 SITED_GRAPHS = "VLENVOYS_SITED_GRAPHS"
 #: ``SamplingParams.extra_args`` key: the request's block waits where a sited graph has no break (``input_ids``,
 #: ``skip_layer``, ``tracer.cache()``), so its steps run eagerly (`vlenvoys.worker.sited`).

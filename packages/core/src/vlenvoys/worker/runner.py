@@ -17,7 +17,7 @@ from ..engine.model import StandardizedVLLM
 from ..values.family import resolve
 from ..values.parallel import KernelFragments
 from ..values.reads import unsteerable
-from ..wire.requests import EAGER_KEY, carries_nnsight_work
+from ..wire.requests import EAGER_KEY, SITED_GRAPHS, carries_nnsight_work
 from . import collector, sited, steerer
 from .collector import step_spans
 from .saves import send_back_what_can_be_sent, stop_sending
@@ -178,7 +178,7 @@ class StandardRunner:
         if not breaks or wrong:
             raise RuntimeError(
                 f"sited CUDA graphs: expected {len(graphs.locations)} breaks (one per declared site) in each graph, "
-                f"found {wrong or 'no graph'}; unset {sited.OPT_IN} to run traced steps eagerly"
+                f"found {wrong or 'no graph'}; unset {SITED_GRAPHS} to run traced steps eagerly"
             )
         return result
 

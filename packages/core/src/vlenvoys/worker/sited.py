@@ -39,12 +39,9 @@ import torch
 from ..values.layouts import Located, unavailable_reason
 from ..values.names import OWNERS
 from ..values.reads import located
-from ..wire.requests import SITED_GRAPHS, SITES_KEY, sited_graphs_asked
+from ..wire.requests import SITES_KEY, sited_graphs_asked
 
-__all__ = ["OPT_IN", "install", "site_locations"]
-
-#: The engine's environment variable that turns sited graphs on (off by default until the gate has measured them).
-OPT_IN = SITED_GRAPHS
+__all__ = ["install", "site_locations"]
 
 
 def site_locations(model: Any, sites: Mapping[str, Any]) -> frozenset[str] | None:
