@@ -173,6 +173,32 @@ def test_a_chunk_is_reused_only_once_the_client_let_go_of_it(files_only):
     assert mine(name) == []
 
 
+@pytest.mark.parametrize("step_rows", [512, 2048, 8192, 12800])
+def test_runs_of_the_same_work_make_no_chunk_after_the_first(files_only, step_rows):
+    """Each run writes 12,800 rows of 2 KiB at 3 values, in steps of ``step_rows``, and lets them all go.
+
+    A run used to begin where the last one stopped, mid-chunk: with steps of 2,048 rows the sixth run made
+    a third chunk (on an H200 with V2's steps, the fourth did: `test_repeated_collections_reuse_the_workers_memory`).
+    """
+    name = f"test-{os.getpid()}-runs-{step_rows}"
+    arena = Arena(name, device_copies=False)
+    rows = torch.zeros(step_rows, 512)
+    made = []
+    for _ in range(8):
+        left, lengths, steps = 12_800, [], []
+        while left:
+            count = min(step_rows, left)
+            left -= count
+            steps += [rows[:count]] * 3
+            lengths += [[count]] * 3
+        arena.acknowledge("c")
+        pieces = write_steps(arena, steps, lengths)
+        received(arena.handover({"v": list(pieces.values())}, {"v": ([512], "float32")}, owner="c"))
+        made.append(arena.stats()["made_bytes"])
+    arena.close()
+    assert made == made[:1] * len(made), f"bytes made so far, run by run: {made}"
+
+
 def test_unread_rows_keep_their_chunk_from_reuse_until_they_go(files_only):
     name = f"test-{os.getpid()}-unread-reuse"
     arena = Arena(name, device_copies=False)

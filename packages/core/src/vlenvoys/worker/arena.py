@@ -119,6 +119,8 @@ class Arena:
         """
         size = shape.numel() * dtype.itemsize
         chunk = self.chunks.get(self.current) if self.current is not None else None
+        if chunk is not None and chunk.used:
+            self._rewind(chunk)
         if chunk is None or chunk.used + size > chunk.size:
             self.current = None  # the full chunk is no longer current, so `_reused` may pick it
             self.current = self._reused(size)
@@ -165,6 +167,16 @@ class Arena:
     def _idle(self, chunk_id: int, chunk: _Chunk) -> bool:
         """Nothing the worker owes anyone is in it: not being filled, no rows pending, no handover unread."""
         return chunk_id != self.current and chunk.live == 0 and not chunk.waiting and not chunk.unread_saves()
+
+    def _rewind(self, chunk: _Chunk) -> None:
+        """Fill the current chunk again from its start where nothing in it is owed any more.
+
+        Without this a run began where the last one stopped, in the middle of the current chunk, and
+        whether the runs' blocks fitted in the chunks they had depended on that offset: with the same
+        work each run, every so many runs made a new chunk (the fourth on an H200 with V2's steps).
+        """
+        if not (chunk.live or chunk.waiting or chunk.unread_saves() or chunk.mapped_by_a_client()):
+            chunk.used = 0
 
     def _reused(self, size: int) -> int | None:
         """The largest idle chunk of at least ``size`` bytes no client maps any more, emptied; None if none."""
