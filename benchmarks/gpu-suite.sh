@@ -26,7 +26,7 @@ python3 -c "import torch, vllm._moe_C; torch.ops._moe_C.topk_softmax" 2>/dev/nul
 T="timeout ${GROUP_SECONDS:-420}"
 $T $P $LT/test_llama_oracle.py -m "not transformers_backend" -k "${REAL}(LlamaForCausalLM or Mistral or Qwen3ForCausalLM or Phi3 or SmolLM2)" > "$L/llama1.log" 2>&1 &
 $T $P $LT/test_llama_oracle.py -m "not transformers_backend" -k "${REAL}${MOE}(Qwen2ForCausalLM or Moe or Mixtral or Granite)" > "$L/llama2.log" 2>&1 &
-$T $P $LT/test_llama_api.py $LT/test_llama_safety.py $LT/test_llama_collect.py $LT/test_llama_datasets.py $LT/test_llama_graphs.py -m "not transformers_backend" -k "${REAL}not command and not stopped" > "$L/llama3.log" 2>&1 &
+$T $P $LT/test_llama_api.py $LT/test_llama_safety.py $LT/test_llama_collect.py $LT/test_llama_datasets.py $LT/test_llama_graphs.py -m "not transformers_backend" -k "${REAL}${MOE}not command and not stopped" > "$L/llama3.log" 2>&1 &
 $T $P $LT -m transformers_backend > "$L/backend.log" 2>&1 &
 ( $T $P packages/family-gpt2/tests > "$L/gpt2.log" 2>&1; $T $P packages/family-gemma/tests -m "not transformers_backend" > "$L/gemma.log" 2>&1
   $T $P packages/family-gemma/tests -m transformers_backend > "$L/gemma-backend.log" 2>&1 ) &

@@ -43,10 +43,12 @@ suite)  # logs kept in /tmp and packed into one file: a call brings back only so
   # Measuring a vLLM outside the families' verified ranges (0.33, 0.34) is what a run on its bundle is for.
   export VLENVOYS_ALLOW_UNVERIFIED_VLLM=${VLENVOYS_ALLOW_UNVERIFIED_VLLM:-1}
   timeout "${SUITE_SECONDS:-540}" bash benchmarks/gpu-suite.sh /tmp/suite > /tmp/suite/summary.txt 2>&1 ||
-    { pkill -f "python3 -m pytest" || true; echo "cut at ${SUITE_SECONDS:-540} s; each log's tests passed so far, and its failures:";
+    { # the groups' subshells first (they would start their next group), then their tests
+      pkill -f "benchmarks/[g]pu-suite.sh" || true; pkill -f "python3 -m [p]ytest" || true
+      echo "cut at ${SUITE_SECONDS:-540} s; each log's tests passed so far, and its failures:"
       for f in /tmp/suite/*.log; do echo "=== $(basename "$f"): $(grep -c " PASSED" "$f") passed so far"
-        grep -E " (FAILED|ERROR)( |$)" "$f" | head -8; done; }
-  cat /tmp/suite/summary.txt
+        grep -E " (FAILED|ERROR)( |$)" "$f" | head -8 || true; done; }  # no failure is no reason to stop
+  cat /tmp/suite/summary.txt || true
   tar -czf "${OUT:-/tmp}/suite-logs.tgz" -C /tmp suite ;;
 *) echo "usage: $0 install|gate|suite|profile" >&2; exit 2 ;;
 esac
