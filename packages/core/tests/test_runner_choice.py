@@ -13,7 +13,7 @@ from vlenvoys.engine.processes import RUNNER_CHOICE, has_v1_runner, runner_choic
 from vlenvoys.errors import UnsupportedVLLM
 
 
-def test_v1_where_vllm_has_it(monkeypatch):
+def test_the_default_runner_and_v1_asked_for(monkeypatch):
     """Unset, V1 on the CPU engine and V2 on CUDA (vLLM's own default there); asked for, V1 wherever vLLM has it."""
     from vllm.platforms import current_platform
     from vlenvoys.wire.requests import SITED_GRAPHS
