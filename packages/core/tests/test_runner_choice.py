@@ -30,6 +30,31 @@ def test_the_default_runner_and_v1_asked_for(monkeypatch):
         model_runner()
 
 
+def test_a_v1_engine_after_a_v2_engine_in_the_same_process(monkeypatch):
+    """The "1" `model_runner` set for an earlier V2 engine is not the user's: a later V1 engine (sited graphs, or
+    ``VLENVOYS_MODEL_RUNNER=v1``) of the same process starts (on an H100 it was refused, in one pytest session)."""
+    import os
+
+    from vlenvoys.engine import loading
+
+    monkeypatch.setenv(RUNNER_CHOICE, "v2")
+    monkeypatch.delenv(V2_RUNNER, raising=False)
+    from vllm.triton_utils import HAS_TRITON
+
+    if HAS_TRITON:  # a CUDA engine: V2 as load chooses it
+        model_runner()
+    else:  # vLLM's CPU engine refuses V2 without triton-cpu: the state its V2 engine would have left
+        monkeypatch.setattr(loading, "_runner_set", "1")
+        monkeypatch.setenv(V2_RUNNER, "1")
+    assert os.environ[V2_RUNNER] == "1"
+    monkeypatch.setenv(RUNNER_CHOICE, "v1")
+    model_runner()
+    assert os.environ[V2_RUNNER] == "0"
+    monkeypatch.setenv(V2_RUNNER, "1")  # the user's own, set after
+    with pytest.raises(UnsupportedVLLM, match=f"{V2_RUNNER}=1 asks vLLM for its V2 model runner"):
+        model_runner()
+
+
 WITHOUT_V1 = textwrap.dedent("""
     import os, sys
     sys.modules["vllm.v1.worker.gpu_model_runner"] = None  # as on vLLM 0.34: no V1 runner module

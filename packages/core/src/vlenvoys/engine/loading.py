@@ -157,6 +157,11 @@ def block_count(model: str, overrides: Any = None) -> int:
     return count
 
 
+#: The value `model_runner` last gave ``VLLM_USE_V2_MODEL_RUNNER``: an engine on V1 (sited graphs) after one on V2
+#: in the same process found "1" there and took it for the user's. On an H100, in one pytest session.
+_runner_set: str | None = None
+
+
 def model_runner() -> None:
     """Ask vLLM, for the engines this process starts, for the model runner vlenvoys' worker instruments there.
 
@@ -173,7 +178,10 @@ def model_runner() -> None:
             V1 is chosen and this vLLM has no V1 runner, or V2 is chosen and
             vLLM found no Triton backend for the device.
     """
+    global _runner_set
     chosen = os.environ.get(V2_RUNNER, "").strip()
+    if chosen == _runner_set:  # set here for an earlier engine of this process, not asked for by the user
+        chosen = ""
     if runner_choice() == "v2":
         if chosen not in ("", "1"):
             raise UnsupportedVLLM(
@@ -187,7 +195,7 @@ def model_runner() -> None:
                 f"vLLM's V2 model runner ({RUNNER_CHOICE}=v2) runs Triton kernels, and vLLM found no Triton backend for "
                 f"this device (vLLM's CPU engine needs triton-cpu): unset {RUNNER_CHOICE} to run its V1 runner"
             )
-        os.environ[V2_RUNNER] = "1"
+        os.environ[V2_RUNNER] = _runner_set = "1"
         return
     if not has_v1_runner():
         import vllm
@@ -197,7 +205,7 @@ def model_runner() -> None:
             f"the last): unset {RUNNER_CHOICE} to run its V2 runner, or pip install 'vllm>=0.32,<0.34'"
         )
     if chosen in ("", "0"):  # vLLM reads int(value): an empty one would stop its engine
-        os.environ[V2_RUNNER] = "0"
+        os.environ[V2_RUNNER] = _runner_set = "0"
     else:
         raise UnsupportedVLLM(
             f"{V2_RUNNER}={chosen} asks vLLM for its V2 model runner while vlenvoys runs its V1 runner: unset it "
