@@ -385,3 +385,43 @@ def test_repeated_collections_reuse_the_workers_memory(subject):
     finally:
         gc.enable()
     assert made[-1] == made[1], f"the worker made new row memory for runs of the same size: {made} bytes made so far, run by run"
+
+
+@on_tiny_llama
+def test_a_take_is_sent_only_once_the_last_answer_is_mapped(subject, monkeypatch):
+    """The worker takes each take as word that the client has mapped every earlier handover, and may then reuse the
+    memory no mapping holds (`vlenvoys.wire.shm`). With the client's mapping slowed down, takes waited beside it (two
+    at most) and the worker could overwrite rows not yet mapped; now a take waits for the last answer's mapping, and
+    the values stay those of a collection at full speed."""
+    import time
+
+    from vlenvoys.collect import prompts as client
+    from vlenvoys.collect import rows
+
+    model = subject.model
+    prompts = [list(range(3 + number, 40 + 3 * number)) for number in range(12)]
+    want = collect(model, prompts, VALUES, [0, -1], batch_size=2)
+    events = []
+    sent, received = client._sent, rows.received
+
+    def sending(engine, method, args):
+        if method == "vlenvoys_collect_take":
+            events.append(("sent", time.perf_counter()))
+        return sent(engine, method, args)
+
+    def mapping(*args, **kwargs):
+        time.sleep(0.2)  # a client thread held up (the GIL, a busy host) while the engine goes on
+        got = received(*args, **kwargs)
+        events.append(("mapped", time.perf_counter()))
+        return got
+
+    monkeypatch.setattr(client, "_sent", sending)
+    monkeypatch.setattr(rows, "received", mapping)
+    got = collect(model, prompts, VALUES, [0, -1], batch_size=2)
+    kinds = [kind for kind, _ in events]
+    assert kinds.count("sent") >= 3, kinds
+    assert all(kinds[at] != kinds[at + 1] for at in range(len(kinds) - 1)), f"a take was sent before the last answer was mapped: {kinds}"
+    assert list(got) == list(want)
+    for key in want:
+        for ours, theirs in zip(got[key], want[key], strict=True):
+            assert torch.equal(ours, theirs), key

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 import uuid
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -281,6 +282,13 @@ class _Takes:
     `WAITING` takes wait for that thread (`send` blocks beyond): the values
     the engine holds for the client stay bounded. After an error the rest is
     dropped, and `send` and `close` raise it.
+
+    A take is sent only once the last answer's files are mapped (``values``
+    has run; ``deliver`` may still run): the worker takes each take as word
+    that the client maps every earlier handover, and may reuse memory no
+    mapping holds (`vlenvoys.wire.shm`). An answer comes between two steps and
+    a take is due only after a batch of requests has finished, so this wait
+    is rarely a wait.
     """
 
     #: Takes sent and not yet delivered before `send` waits.
@@ -289,16 +297,25 @@ class _Takes:
     def __init__(self, model: Any, name: str, values: Callable[[dict, list], list], deliver: Callable[[list], Any]) -> None:
         self.engine = model.vllm_entrypoint.llm_engine
         self.name, self.values, self.deliver = name, values, deliver
+        self.mapped = threading.Event()  # set once the last take's answer is mapped (or failed)
+        self.mapped.set()
         self.answered = InThread(self._answered, self.WAITING, "vlenvoys-takes")
 
     def send(self, finished: list) -> None:
         """Ask the engine for ``finished``'s values (``(output, prompt index)`` pairs); they go to ``deliver`` later."""
         self.answered.raise_error()
+        while not self.mapped.wait(0.05):
+            self.answered.raise_error()  # a failed take drops the rest: its event may never be set
+        self.mapped.clear()
         self.answered(_sent(self.engine, "vlenvoys_collect_take", (self.name, [output.request_id for output, _ in finished])), finished)
 
     def _answered(self, answer: Future, finished: list) -> None:
-        (packed, *_) = _answer(self.engine, answer)
-        self.deliver(self.values(packed, finished))
+        try:
+            (packed, *_) = _answer(self.engine, answer)
+            values = self.values(packed, finished)
+        finally:
+            self.mapped.set()
+        self.deliver(values)
 
     def stop(self) -> None:
         """Deliver the takes already sent, then end the thread."""
