@@ -166,22 +166,26 @@ def test_a_vllm_outside_the_family_range_is_refused_naming_the_range(future_fami
 
 
 def test_load_chooses_the_model_runner_vlenvoys_instruments(monkeypatch):
-    """#50: vLLM's V2 runner is its default on a GPU; `load` and `serve` set VLLM_USE_V2_MODEL_RUNNER=0 where unset,
-    and refuse by name a V2 runner the user asked for (before any engine starts)."""
-    from vlenvoys.engine.loading import V2_RUNNER, model_runner
-
-    monkeypatch.delenv(V2_RUNNER, raising=False)
-    model_runner()
+    """#50: `load` and `serve` set VLLM_USE_V2_MODEL_RUNNER to the runner vlenvoys runs where it is unset (V2 on CUDA,
+    V1 on the CPU engine), and refuse by name the other runner asked for by hand (before any engine starts), saying
+    how to choose."""
     import os
 
-    assert os.environ[V2_RUNNER] == "0"
-    model_runner()  # the user's 0 stands
+    from vlenvoys.engine.loading import V2_RUNNER, model_runner
+    from vlenvoys.engine.processes import RUNNER_CHOICE, runner_choice
+
+    monkeypatch.delenv(RUNNER_CHOICE, raising=False)
+    monkeypatch.delenv(V2_RUNNER, raising=False)
+    ours, other = ("1", ["0"]) if runner_choice() == "v2" else ("0", ["1", "true"])
+    model_runner()
+    assert os.environ[V2_RUNNER] == ours
+    model_runner()  # the user's value, the same as ours, stands
     monkeypatch.setenv(V2_RUNNER, "")  # vLLM's int("") would stop the engine
     model_runner()
-    assert os.environ[V2_RUNNER] == "0"
-    for asked in ("1", "true"):
+    assert os.environ[V2_RUNNER] == ours
+    for asked in other:
         monkeypatch.setenv(V2_RUNNER, asked)
-        with pytest.raises(vlenvoys.UnsupportedVLLM, match=f"{V2_RUNNER}={asked} asks vLLM for its V2 model runner"):
+        with pytest.raises(vlenvoys.UnsupportedVLLM, match=f"{V2_RUNNER}={asked} asks vLLM for its V[12] model runner.*{RUNNER_CHOICE}=v"):
             model_runner()
 
 

@@ -363,13 +363,13 @@ def test_a_model_runner_against_vlenvoys_choice_is_refused_by_load_and_serve_bef
     """#50: VLLM_USE_V2_MODEL_RUNNER set by hand against the runner vlenvoys runs (V1 here; V2 where
     VLENVOYS_MODEL_RUNNER=v2 asks for it) is named, with what to do, by load and serve alike."""
     from vlenvoys.engine.loading import V2_RUNNER
-    from vlenvoys.engine.processes import runner_choice
+    from vlenvoys.engine.processes import RUNNER_CHOICE, runner_choice
     from vlenvoys.serve.server import parsed, prepare
 
     path = str(testing.tiny_model("LlamaForCausalLM", tmp_path / "model"))
     v2 = runner_choice() == "v2"
     monkeypatch.setenv(V2_RUNNER, "0" if v2 else "1")
-    said = f"{V2_RUNNER}=0 asks for its V1 runner" if v2 else f"{V2_RUNNER}=1 asks vLLM for its V2 model runner"
+    said = f"{V2_RUNNER}=0 asks vLLM for its V1 model runner.*{RUNNER_CHOICE}=v1" if v2 else f"{V2_RUNNER}=1 asks vLLM for its V2 model runner"
     with pytest.raises(vlenvoys.UnsupportedVLLM, match=said):
         vlenvoys.load(path)
     with pytest.raises(vlenvoys.UnsupportedVLLM, match=f"unset (it|{V2_RUNNER})"):

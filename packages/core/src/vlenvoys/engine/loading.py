@@ -185,8 +185,9 @@ def model_runner() -> None:
     if runner_choice() == "v2":
         if chosen not in ("", "1"):
             raise UnsupportedVLLM(
-                f"{RUNNER_CHOICE}=v2 (or a vLLM with no V1 runner) runs vLLM's V2 model runner, but {V2_RUNNER}={chosen} "
-                f"asks for its V1 runner: unset {V2_RUNNER}"
+                f"{V2_RUNNER}={chosen} asks vLLM for its V1 model runner, while vlenvoys runs V2 here (its default on "
+                f"CUDA, where vLLM has no V1, or as {RUNNER_CHOICE}=v2 asks): set {RUNNER_CHOICE}=v1 for V1 where vLLM "
+                f"has it, or unset {V2_RUNNER} (load and serve choose the runner)"
             )
         from vllm.triton_utils import HAS_TRITON
 
