@@ -5,6 +5,7 @@ The client loads them with `vlenvoys.engine.saves.unpacked`, which the pickle na
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pickle
@@ -164,6 +165,10 @@ def dumps_saves(value: Any, arena: Any = None) -> bytes:
             torch.cuda.synchronize(device)
     except BaseException:
         if shared is not None:
+            # Copies queued before the failure may still land: the block is free again only once they have.
+            for device in devices if queued else ():
+                with contextlib.suppress(Exception):
+                    torch.cuda.synchronize(device)
             arena.dropped_saves(where)
         raise
     if shared is not None:
