@@ -517,3 +517,42 @@ def test_chosen_experts_stay_integers_and_equal_collects(subject, tmp_path):
     want = collect(subject.model, [got["token_ids"][first].tolist()], values, [0])
     assert torch.equal(got["mlp_router_experts.0"][first], want["mlp_router_experts.0"][0][0].cpu())
     assert torch.equal(got["mlp_router_weights.0"][first], want["mlp_router_weights.0"][0][0].cpu().bfloat16())
+
+
+@on_tiny_llama
+def test_windows_finished_before_an_interrupt_are_written(subject, full_run, tmp_path, monkeypatch):
+    """An interrupt keeps every window the progress bar counted as finished: those not yet taken are taken first.
+    A new user's Ctrl-C, the bar at half of a corpus on the CPU engine, left no shard: values are taken once as many
+    windows have finished as are in flight (256 there). Here 512 are in flight, more than a step computes, and the
+    interrupt comes in the engine's third step."""
+    from vlenvoys.collect import activations
+
+    class Bar:
+        tokens = 0
+
+        def update(self, tokens):
+            Bar.tokens += tokens
+
+        def close(self):
+            pass
+
+    engine = subject.model.vllm_entrypoint.llm_engine
+    step, steps = engine.step, []
+
+    def interrupted():
+        steps.append(None)
+        if len(steps) == 3:
+            raise KeyboardInterrupt
+        return step()
+
+    monkeypatch.setattr(activations, "_progress_bar", lambda shown, total: Bar())
+    monkeypatch.setattr(engine, "step", interrupted)
+    out = tmp_path / "acts"
+    arguments = dict(context_length=CONTEXT, dtype="float32", shard_tokens=CONTEXT, progress=True)
+    with pytest.raises(KeyboardInterrupt):
+        collect_dataset(subject.model, CORPUS * 40, out, ["layer_output"], [0], batch_size=512, **arguments)
+    monkeypatch.undo()
+    assert engine_is_idle(subject.model)
+    finished = Bar.tokens // CONTEXT
+    written = [shard["windows"] for shard in Activations(out).manifest["shards"]] if out.exists() else []
+    assert finished and written == [[window, window + 1] for window in range(finished)], (finished, written[-3:])
