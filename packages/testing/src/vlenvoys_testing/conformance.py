@@ -541,6 +541,31 @@ def test_unknown_value_name_is_an_attribute_error(subject):
 
 
 
+def test_an_empty_prompt_is_refused_by_name_and_the_engine_goes_on(subject):
+    """No tokens is a ValueError naming the invoke; an empty text is what its tokenizer makes of it (a BOS, or none)."""
+    dtype_independent(subject)
+    model, prompt = subject.model, subject.prompts[0]
+    baseline = logits_of(model, prompt)
+    said = r"invoke 1's prompt is empty \(no tokens\): a trace reads at least one token"
+    for empty in ([], {"prompt_token_ids": []}):
+        with pytest.raises(ValueError, match=said):
+            with model.trace(temperature=0.0) as tracer:
+                with tracer.invoke(prompt):
+                    pass
+                with tracer.invoke(empty):
+                    model.layers[0].layer_output.save()
+    ids = model.tokenizer("")["input_ids"]
+    if ids:  # as transformers reads it: the tokenizer's special tokens alone
+        with model.trace("", temperature=0.0):
+            stream = model.layers[0].layer_output.save()
+        assert tuple(stream.shape) == (1, len(ids), subject.hidden_size)
+    else:
+        with pytest.raises(ValueError, match=said.replace("1", "0")):
+            with model.trace("", temperature=0.0):
+                model.layers[0].layer_output.save()
+    assert torch.equal(logits_of(model, prompt), baseline)
+
+
 def steering_vector(subject) -> torch.Tensor:
     generator = torch.Generator().manual_seed(1)
     return 4 * torch.randn(subject.hidden_size, generator=generator)

@@ -38,7 +38,7 @@ from .processes import (
     spawn_on_a_gpu,
     worker_class,
 )
-from .requests import salted, tokenized_together
+from .requests import EMPTY, refuse_empty, salted, tokenized_together
 from .saves import merged
 from .sources import install
 from .stepping import StandardLLMEngine, abandoned_on_error
@@ -204,7 +204,11 @@ class StandardizedVLLM(VLLM):
             return outputs
 
     def _batch(self, invokes: list[tuple], fn: Any) -> tuple:
+        for index, (inputs, _) in enumerate(invokes):  # nnsight says only "Empty prompt"
+            if len(inputs) == 1 and isinstance(inputs[0], (list, tuple)) and not inputs[0]:
+                raise ValueError(f"invoke {index}'s {EMPTY}")
         (prompts, params, lora_requests), kwargs = super()._batch(invokes, fn)
+        refuse_empty(self.vllm_entrypoint, prompts)
         prompts = tokenized_together(self.vllm_entrypoint, [salted(prompt, "trace") for prompt in prompts])
         return (prompts, params, lora_requests), kwargs
 

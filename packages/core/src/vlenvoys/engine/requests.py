@@ -117,6 +117,25 @@ def _text_of(prompt: Any) -> str | None:
     return None
 
 
+EMPTY = "prompt is empty (no tokens): a trace reads at least one token"
+
+
+def refuse_empty(engine: Any, prompts: list) -> None:
+    """Raise ValueError naming the first of a trace's ``prompts`` that has no tokens, before any is sent.
+
+    vLLM refuses such a request by itself, in words of its own; a text is
+    tokenized here only when it is blank (an empty text is one token where the
+    tokenizer adds a BOS, as on transformers, and none where it adds nothing).
+    """
+    for index, prompt in enumerate(prompts):
+        ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
+        text = _text_of(prompt)
+        if ids is None and text is not None and not text.strip():
+            ids = engine.get_tokenizer()(text)["input_ids"]
+        if ids is not None and len(ids) == 0:
+            raise ValueError(f"invoke {index}'s {EMPTY}")
+
+
 def salted(prompt: Any, kind: str, unique: str | None = None) -> Any:
     """``prompt`` (a string or a vLLM prompt dict) with a cache salt of its own: its key/value cache is its alone.
 
