@@ -298,7 +298,10 @@ def test_both_paths_serve_the_same_values(subject):
         ({"layers": 99}, ValueError, "layer 99 does not exist: the model has blocks 0 to 2"),
         ({"layers": [0, -4]}, ValueError, "layer -4 does not exist"),
         ({"layers": []}, ValueError, "no layers"),
-        ({"values": "layer_outputs"}, ValueError, "'layer_outputs' is not a block value"),
+        # Only what this dense model serves is offered: no routing.
+        ({"values": "layer_outputs"}, ValueError,
+         r"'layer_outputs' is not a block value; did you mean 'layer_output'\? choose from this model's: "
+         r"layer_input, (?!.*mlp_router).*mlp_neurons"),
         ({"values": "mlp_activation"}, vlenvoys.Unavailable, "this MLP is gated"),
         ({"prompts": "The sun"}, TypeError, "got one string"),
         ({"prompts": ["The sun", ""]}, ValueError, "prompt 1 is empty"),

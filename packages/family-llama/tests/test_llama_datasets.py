@@ -328,7 +328,7 @@ def test_bad_inputs_are_refused_and_the_engine_goes_on(subject, full_run, tmp_pa
         collect_dataset(model, source, tmp_path / "z", "layer_output", [0], context_length=0, progress=False)
     with pytest.raises(ValueError, match=r"attention_probabilities: a pattern is \[1, heads, tokens, tokens\] per window"):
         collect_dataset(model, source, tmp_path / "p", ["layer_output", "attention_probabilities"], [0], context_length=CONTEXT, progress=False)
-    with pytest.raises(ValueError, match="'no_such_value' is not a block value; choose from layer_input"):
+    with pytest.raises(ValueError, match="'no_such_value' is not a block value; choose from this model's: layer_input"):
         collect_dataset(model, source, tmp_path / "f", "no_such_value", [0], context_length=CONTEXT, progress=False)
     with pytest.raises(FileNotFoundError):
         collect_dataset(model, tmp_path / "missing.txt", tmp_path / "g", "layer_output", [0], context_length=CONTEXT, progress=False)

@@ -41,7 +41,7 @@ from ..engine.stepping import clean_up
 from ..errors import Unavailable, reraise
 from ..values.envoys import block_index
 from ..values.layouts import unmark
-from ..values.names import KINDS, OWNERS, VALUES, Read, envoy_of
+from ..values.names import KINDS, OWNERS, VALUES, Read, envoy_of, nearest
 from ..values.reads import unhookable_reads
 from ..values.support import support
 from ..wire.requests import COLLECT_KEY, PRIVATE
@@ -540,9 +540,15 @@ def checked_reads(model: Any, values: list[str], layers: int | Sequence[int]) ->
     """The block's reads in forward order (by block, then as the block computes them), checked."""
     if not values:
         raise ValueError("no values to collect")
+    served = support(model)
     for value in values:
-        if value not in OWNERS:
-            raise ValueError(f"{value!r} is not a block value; choose from {', '.join(OWNERS)}")
+        if value not in OWNERS:  # the names this model serves: a dense model's list has no routing
+            here = [name for name in OWNERS if served[KINDS[OWNERS[name]], name].available]
+            close = nearest(value)
+            raise ValueError(
+                f"{value!r} is not a block value; {f'did you mean {close!r}? ' if close in here else ''}"
+                f"choose from this model's: {', '.join(here)}"
+            )
     count = len(model.layers)
     indices = [layers] if isinstance(layers, int) else list(layers) if isinstance(layers, (list, tuple, range)) else None
     if indices is None or not all(isinstance(layer, int) and not isinstance(layer, bool) for layer in indices):
@@ -550,7 +556,6 @@ def checked_reads(model: Any, values: list[str], layers: int | Sequence[int]) ->
     if not indices:
         raise ValueError("no layers to collect")
     blocks = sorted({block_index(layer, count, noun="layer") for layer in indices})
-    served = support(model)
     for value in values:
         row = served[KINDS[OWNERS[value]], value]
         if not row.available:
