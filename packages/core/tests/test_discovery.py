@@ -11,6 +11,7 @@ import vlenvoys
 import vlenvoys_testing as testing
 from vlenvoys.cli import app
 from vlenvoys.values.family import resolve, resolve_checkpoint
+from vlenvoys_testing import kept_runner_choice
 
 
 def installed_names() -> set[str]:
@@ -169,6 +170,7 @@ def test_load_chooses_the_model_runner_vlenvoys_instruments(monkeypatch):
     """#50: `load` and `serve` set VLLM_USE_V2_MODEL_RUNNER to the runner vlenvoys runs where it is unset (V2 on CUDA,
     V1 on the CPU engine), and refuse by name the other runner asked for by hand (before any engine starts), saying
     how to choose."""
+    kept_runner_choice(monkeypatch)
     import os
 
     from vlenvoys.engine.loading import V2_RUNNER, model_runner

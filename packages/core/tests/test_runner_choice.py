@@ -11,10 +11,12 @@ import pytest
 from vlenvoys.engine.loading import V2_RUNNER, model_runner
 from vlenvoys.engine.processes import RUNNER_CHOICE, has_v1_runner, runner_choice
 from vlenvoys.errors import UnsupportedVLLM
+from vlenvoys_testing import kept_runner_choice
 
 
 def test_the_default_runner_and_v1_asked_for(monkeypatch):
     """Unset, V1 on the CPU engine and V2 on CUDA (vLLM's own default there); asked for, V1 wherever vLLM has it."""
+    kept_runner_choice(monkeypatch)
     from vllm.platforms import current_platform
     from vlenvoys.wire.requests import SITED_GRAPHS
 
@@ -33,6 +35,7 @@ def test_the_default_runner_and_v1_asked_for(monkeypatch):
 def test_a_v1_engine_after_a_v2_engine_in_the_same_process(monkeypatch):
     """The "1" `model_runner` set for an earlier V2 engine is not the user's: a later V1 engine (sited graphs, or
     ``VLENVOYS_MODEL_RUNNER=v1``) of the same process starts (on an H100 it was refused, in one pytest session)."""
+    kept_runner_choice(monkeypatch)
     import os
 
     from vlenvoys.engine import loading

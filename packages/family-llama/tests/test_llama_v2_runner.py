@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from vlenvoys_testing import conformance, oracle, triton_interpreter
+from vlenvoys_testing import conformance, kept_runner_choice, oracle, triton_interpreter
 from vlenvoys_testing.conformance import compare, host, read_all
 
 #: Set in the pytest process `v2_run` starts.
@@ -109,6 +109,8 @@ def test_the_default_runner_and_the_choice(monkeypatch):
     """Unset, V1 and vlenvoys' V1 worker on the CPU engine where vLLM has its V1 runner, V2 and the V2 worker on a CUDA
     device (vLLM's own default there) and on a vLLM without V1; with VLENVOYS_MODEL_RUNNER=v2, V2 and the V2 worker;
     a contradiction or an unknown choice is refused by name."""
+    kept_runner_choice(monkeypatch)
+    from vlenvoys.engine import loading
     from vlenvoys.engine.loading import V2_RUNNER, model_runner
     from vlenvoys.engine.processes import RUNNER_CHOICE, has_v1_runner, worker_class
     from vlenvoys.errors import UnsupportedVLLM
@@ -132,8 +134,11 @@ def test_the_default_runner_and_the_choice(monkeypatch):
     else:  # the CPU engine with PyPI's Triton (no CPU backend; the V2 process has the interpreter's)
         with pytest.raises(UnsupportedVLLM, match="needs triton-cpu"):
             model_runner()
+    # The user's own "0", in a process where load has set nothing (a value equal to the one load set for an earlier
+    # engine is taken for load's: test_a_v1_engine_after_a_v2_engine_in_the_same_process).
+    monkeypatch.setattr(loading, "_runner_set", None)
     monkeypatch.setenv(V2_RUNNER, "0")
-    with pytest.raises(UnsupportedVLLM, match="VLLM_USE_V2_MODEL_RUNNER=0"):
+    with pytest.raises(UnsupportedVLLM, match="VLLM_USE_V2_MODEL_RUNNER=0 asks vLLM for its V1 model runner.*VLENVOYS_MODEL_RUNNER=v1"):
         model_runner()
     monkeypatch.setenv(RUNNER_CHOICE, "v3")
     with pytest.raises(ValueError, match="VLENVOYS_MODEL_RUNNER='v3'"):
@@ -143,6 +148,7 @@ def test_the_default_runner_and_the_choice(monkeypatch):
 def test_sited_graphs_choose_v1_and_are_refused_on_v2(monkeypatch, tmp_path):
     """Sited graphs (``VLENVOYS_SITED_GRAPHS=1``) are captured through V1's seams: unset, the choice is V1 where vLLM
     has it; with V2 asked for (or a vLLM without V1), `load` refuses an engine with sites by name before it starts."""
+    kept_runner_choice(monkeypatch)
     import vlenvoys
     from vlenvoys.engine.processes import RUNNER_CHOICE, has_v1_runner, runner_choice
     from vlenvoys.wire.requests import SITED_GRAPHS
