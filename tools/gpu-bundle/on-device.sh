@@ -37,7 +37,11 @@ gate)  # each engine as the gate starts it: plain vLLM on its default runner, vl
   shift
   set -o pipefail
   timeout "${GATE_SECONDS:-575}" python3 benchmarks/gate.py --commit "$(cat /tmp/site/measured-commit)" --out "${OUT:-.}" "$@" 2>&1 |
-    tee "${OUT:-.}/gate.log" | grep -v "it/s\]" | tail -80 ;;
+    tee "${OUT:-.}/gate.log" | grep -v "it/s\]" | tail -80
+  # A gate cut by its limit leaves its two servers up, each in a session of its own with its engine: they held
+  # 16 GB and ran beside the next call's gate. Each leader's whole session goes.
+  for leader in $(pgrep -f "[a]pi_server.entry import main|[v]lenvoys.cli import app; app\(\) serve" || true); do
+    pkill -9 -s "$leader" || true; done ;;
 suite)  # logs kept in /tmp and packed into one file: a call brings back only so many files, and a cut run none
   rm -rf /tmp/suite && mkdir -p /tmp/suite
   # Measuring a vLLM outside the families' verified ranges (0.33, 0.34) is what a run on its bundle is for.
