@@ -17,6 +17,12 @@ set -euo pipefail
 export PYTHONPATH=/tmp/site:/tmp/extra VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 \
   TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 PATH=/tmp/extra/bin:$PATH
 # VLLM_USE_V2_MODEL_RUNNER is left to vlenvoys.load, which chooses the runner (V2 on CUDA).
+leftovers() {
+  # The gate's two servers run each in a session of its own with its engine, and outlive a gate that was cut: on an
+  # H100 they held 16 GB beside the next call's gate. Each leader's whole session goes.
+  for leader in $(pgrep -f "[a]pi_server.entry import main|[v]lenvoys.cli import app; app\(\) serve" || true); do
+    pkill -9 -s "$leader" || true; done
+}
 case "${1:-}" in
 install)
   if [ ! -d /tmp/site/vllm ]; then
@@ -36,13 +42,13 @@ gate)  # each engine as the gate starts it: plain vLLM on its default runner, vl
   unset VLLM_USE_V2_MODEL_RUNNER
   shift
   set -o pipefail
+  leftovers  # a gate cut by its limit, or a call killed at its own, left its servers up
+  rc=0
   timeout "${GATE_SECONDS:-575}" python3 benchmarks/gate.py --commit "$(cat /tmp/site/measured-commit)" --out "${OUT:-.}" "$@" 2>&1 |
-    tee "${OUT:-.}/gate.log" | grep -v "it/s\]" | tail -80
-  # A gate cut by its limit leaves its two servers up, each in a session of its own with its engine: they held
-  # 16 GB and ran beside the next call's gate. Each leader's whole session goes.
-  for leader in $(pgrep -f "[a]pi_server.entry import main|[v]lenvoys.cli import app; app\(\) serve" || true); do
-    pkill -9 -s "$leader" || true; done ;;
+    tee "${OUT:-.}/gate.log" | grep -v "it/s\]" | tail -80 || rc=$?
+  leftovers; exit "$rc" ;;
 suite)  # logs kept in /tmp and packed into one file: a call brings back only so many files, and a cut run none
+  leftovers
   rm -rf /tmp/suite && mkdir -p /tmp/suite
   # Measuring a vLLM outside the families' verified ranges (0.33, 0.34) is what a run on its bundle is for.
   export VLENVOYS_ALLOW_UNVERIFIED_VLLM=${VLENVOYS_ALLOW_UNVERIFIED_VLLM:-1}

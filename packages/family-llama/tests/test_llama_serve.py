@@ -362,6 +362,7 @@ def test_serve_with_a_config_file_naming_a_model_serves_that_one(tmp_path):
 def test_a_model_runner_against_vlenvoys_choice_is_refused_by_load_and_serve_before_an_engine_starts(tmp_path, monkeypatch):
     """#50: VLLM_USE_V2_MODEL_RUNNER set by hand against the runner vlenvoys runs (V1 here; V2 where
     VLENVOYS_MODEL_RUNNER=v2 asks for it) is named, with what to do, by load and serve alike."""
+    testing.kept_runner_choice(monkeypatch)  # after a V1 engine (sited graphs) a "0" would be taken for load's own
     from vlenvoys.engine.loading import V2_RUNNER
     from vlenvoys.engine.processes import RUNNER_CHOICE, runner_choice
     from vlenvoys.serve.server import parsed, prepare

@@ -110,7 +110,6 @@ def test_the_default_runner_and_the_choice(monkeypatch):
     device (vLLM's own default there) and on a vLLM without V1; with VLENVOYS_MODEL_RUNNER=v2, V2 and the V2 worker;
     a contradiction or an unknown choice is refused by name."""
     kept_runner_choice(monkeypatch)
-    from vlenvoys.engine import loading
     from vlenvoys.engine.loading import V2_RUNNER, model_runner
     from vlenvoys.engine.processes import RUNNER_CHOICE, has_v1_runner, worker_class
     from vlenvoys.errors import UnsupportedVLLM
@@ -136,7 +135,7 @@ def test_the_default_runner_and_the_choice(monkeypatch):
             model_runner()
     # The user's own "0", in a process where load has set nothing (a value equal to the one load set for an earlier
     # engine is taken for load's: test_a_v1_engine_after_a_v2_engine_in_the_same_process).
-    monkeypatch.setattr(loading, "_runner_set", None)
+    kept_runner_choice(monkeypatch)
     monkeypatch.setenv(V2_RUNNER, "0")
     with pytest.raises(UnsupportedVLLM, match="VLLM_USE_V2_MODEL_RUNNER=0 asks vLLM for its V1 model runner.*VLENVOYS_MODEL_RUNNER=v1"):
         model_runner()

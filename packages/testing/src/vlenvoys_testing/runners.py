@@ -16,13 +16,13 @@ def kept_runner_choice(monkeypatch: Any) -> None:
     could leave the variable at one value and the memory at another, and the
     next engine of the session was refused as if the user had asked for the
     other runner (on an H100, every graph test after the runner tests). Both
-    go back to what they were before the test, and the test starts with the
-    variable unset.
+    go back to what they were before the test, and the test starts as a fresh
+    process would: the variable unset, and nothing set by `model_runner`.
     """
     import os
 
     from vlenvoys.engine import loading
 
-    monkeypatch.setattr(loading, "_runner_set", loading._runner_set)
+    monkeypatch.setattr(loading, "_runner_set", None)
     monkeypatch.setenv(loading.V2_RUNNER, os.environ.get(loading.V2_RUNNER, ""))  # recorded, to be put back
     monkeypatch.delenv(loading.V2_RUNNER)
