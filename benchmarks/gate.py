@@ -368,6 +368,22 @@ def runner_of(llm: Any) -> str:
     return "V2" if llm.llm_engine.vllm_config.use_v2_model_runner else "V1"
 
 
+def setup_of(engine: Any) -> dict[str, Any]:
+    """How an engine (a ``vllm.LLM`` or a vlenvoys model) runs a step, as its config says once it has started: what
+    the rows' ratios may owe to the configuration rather than to vlenvoys' own work (#45)."""
+    try:
+        config = getattr(engine, "vllm_entrypoint", engine).llm_engine.vllm_config
+        compilation = config.compilation_config
+        return {
+            "compilation_mode": str(getattr(compilation.mode, "name", compilation.mode)),
+            "cudagraph_mode": str(getattr(compilation.cudagraph_mode, "name", compilation.cudagraph_mode)),
+            "async_scheduling": getattr(config.scheduler_config, "async_scheduling", None),
+            "enforce_eager": config.model_config.enforce_eager,
+        }
+    except Exception as error:  # noqa: BLE001 - another vLLM's config: said, and the gate goes on
+        return {"unread": f"{type(error).__name__}: {error}"}
+
+
 def vllm_default() -> contextlib.AbstractContextManager[None]:
     """Start engines, within, as a user who sets nothing does: vLLM chooses its runner (vlenvoys' own load sets
     ``VLLM_USE_V2_MODEL_RUNNER`` in this process, and on-device.sh may have)."""
@@ -491,6 +507,7 @@ def measure(args: argparse.Namespace) -> dict:
                                     **kwargs)
         urls = servers.wait() if servers is not None else {}
         print(f"engines up in {time.perf_counter() - began:.0f} s", flush=True)
+        setups = {key: setup_of(engine) for key, engine in engines.items()}
         plain, vl, vg = engines.get("plain"), engines.get("vl"), engines.get("vg")
         every_step = SamplingParams(temperature=0.0, max_tokens=work.tokens, ignore_eos=True, detokenize=False)
         steering = vlenvoys.Steering(steer_layer, vector)
@@ -669,6 +686,7 @@ def measure(args: argparse.Namespace) -> dict:
         "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "rows": rows,
         "runners": runners,
+        "setups": setups,
         "worker": worker,
         # Every counted run's seconds, in each round's order (a baseline's several a round): for reading a row's noise.
         "run_seconds": {key: [round(each, 4) for each in values] for key, values in seconds.items()},
